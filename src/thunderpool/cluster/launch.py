@@ -1,0 +1,185 @@
+"""Start the rank processes of one instance on this host, watch them, and kill all on failure.
+
+Ranks talk MLX `ring` over loopback (a JSON hostfile of 127.0.0.1:port per rank). Each rank
+runs in its own session so that a kill reaches its children, and dies with the launcher
+(PR_SET_PDEATHSIG). Any rank exiting non-zero, or silence past the timeout, stops them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from thunderpool.engine.job import RankJob
+from thunderpool.engine.worker import EVENT_PREFIX
+from thunderpool.errors import LaunchError
+
+
+@dataclass(frozen=True, slots=True)
+class RankEvent:
+    rank: int
+    event: dict
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct free TCP ports, held open together so they cannot collide with each other."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _child_setup(cpu: int | None) -> None:
+    """Runs in the child before exec: die with the launcher, optionally pin to one core."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
+
+
+def _cpus() -> list[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+class LocalInstance:
+    """N ranks of one job on this host. Use as a context manager; `events()` streams their output."""
+
+    def __init__(self, job: RankJob, *, timeout: float = 600.0, pin: bool | None = None,
+                 env: dict[str, str] | None = None):
+        self.job, self.timeout = job, timeout
+        n = job.world_size
+        cpus = _cpus()
+        self.pin = (n <= len(cpus)) if pin is None else pin
+        self.cpus = cpus
+        self.env = dict(env or {})
+        self.procs: list[subprocess.Popen] = []
+        self.stderr_tail: list[deque[str]] = [deque(maxlen=20) for _ in range(n)]
+        self.lines: queue.Queue = queue.Queue()
+        self.tmp = tempfile.TemporaryDirectory(prefix="thunderpool-")
+
+    def __enter__(self) -> LocalInstance:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+    def start(self) -> None:
+        n, tmp = self.job.world_size, Path(self.tmp.name)
+        job_file = tmp / "job.json"
+        job_file.write_text(self.job.model_dump_json())
+        env = {**os.environ, **self.env}
+        if n > 1:
+            hostfile = tmp / "hosts.json"
+            hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
+            env["MLX_HOSTFILE"] = str(hostfile)
+        for rank in range(n):
+            cpu = self.cpus[rank % len(self.cpus)] if self.pin else None
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "thunderpool.engine.worker", str(job_file)],
+                env={**env, "MLX_RANK": str(rank)},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+                preexec_fn=lambda cpu=cpu: _child_setup(cpu),
+            )
+            self.procs.append(proc)
+            for stream, name in ((proc.stdout, "out"), (proc.stderr, "err")):
+                threading.Thread(target=self._pump, args=(rank, name, stream), daemon=True).start()
+
+    def _pump(self, rank: int, name: str, stream) -> None:
+        for line in stream:
+            self.lines.put((rank, name, line.rstrip("\n")))
+        self.lines.put((rank, name, None))
+
+    def events(self) -> Iterator[RankEvent]:
+        """Yields each rank's events until all ranks exit 0; raises LaunchError otherwise."""
+        open_streams = 2 * len(self.procs)
+        deadline = time.monotonic() + self.timeout
+        while open_streams or any(p.poll() is None for p in self.procs):
+            self._check_exits()
+            if time.monotonic() > deadline:
+                self.kill()
+                raise LaunchError(
+                    f"no progress from the ranks for {self.timeout:.0f}s; stopped all "
+                    f"{len(self.procs)} ranks (raise --timeout for very large models)"
+                )
+            try:
+                rank, name, line = self.lines.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if line is None:
+                open_streams -= 1
+                continue
+            deadline = time.monotonic() + self.timeout
+            if name == "err":
+                self.stderr_tail[rank].append(line)
+                if self.env.get("THUNDERPOOL_ECHO_STDERR"):
+                    print(f"[rank {rank}] {line}", file=sys.stderr)
+            elif line.startswith(EVENT_PREFIX):
+                yield RankEvent(rank, json.loads(line[len(EVENT_PREFIX) :]))
+        self._check_exits()
+
+    def _check_exits(self) -> None:
+        for rank, p in enumerate(self.procs):
+            code = p.poll()
+            if code not in (None, 0):
+                time.sleep(0.2)  # let the stderr pump catch the rank's last words
+                self._drain()
+                self.kill()
+                raise LaunchError(self._describe_failure(rank, code))
+
+    def _drain(self) -> None:
+        with contextlib.suppress(queue.Empty):
+            while True:
+                rank, name, line = self.lines.get_nowait()
+                if name == "err" and line is not None:
+                    self.stderr_tail[rank].append(line)
+
+    def _describe_failure(self, rank: int, code: int) -> str:
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        tail = [ln for ln in self.stderr_tail[rank] if ln.strip()]
+        errors = [ln for ln in tail if ln.startswith("error:")]
+        last = (errors or tail or ["(no output)"])[-1]
+        return f"rank {rank} {how}: {last.removeprefix('error: ')}; stopped all {len(self.procs)} ranks"
+
+    def kill(self, grace: float = 2.0) -> None:
+        """SIGTERM every rank's process group, then SIGKILL what is left; reap all."""
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
+        end = time.monotonic() + grace
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self.tmp.cleanup()

@@ -1,0 +1,62 @@
+"""What a rank process is asked to do: a validated JSON message from the launcher (no pickle)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Sampling(_Frozen):
+    max_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+class GenerateTask(_Frozen):
+    """Stream the answer to one prompt as text events."""
+
+    kind: Literal["generate"] = "generate"
+    prompt: str
+    chat: bool = True
+    sampling: Sampling = Sampling()
+
+
+class TraceTask(_Frozen):
+    """Greedy-decode token prompts and save every step's token and logits (equivalence tests)."""
+
+    kind: Literal["trace"] = "trace"
+    prompts: tuple[tuple[int, ...], ...]
+    max_tokens: int = Field(32, ge=1)
+    out: str
+    keep_logits: bool = True
+
+
+class BenchTask(_Frozen):
+    """Time prefill and decode of a synthetic prompt, repeated, plus the all_sum latency."""
+
+    kind: Literal["bench"] = "bench"
+    prompt_tokens: int = Field(128, ge=1)
+    max_tokens: int = Field(64, ge=2)
+    repeats: int = Field(3, ge=1)
+
+
+Task = Annotated[GenerateTask | TraceTask | BenchTask, Field(discriminator="kind")]
+
+
+class RankJob(_Frozen):
+    model_dir: str
+    world_size: int = Field(1, ge=1)
+    backend: Literal["ring", "jaccl", "mpi"] = "ring"
+    parallel: Literal["tp", "pp"] = "tp"
+    tp_weights: tuple[float, ...] | None = None
+    layer_split: tuple[int, ...] | None = None
+    prefill_chunk: int = Field(512, ge=1)
+    task: Task

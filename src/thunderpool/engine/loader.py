@@ -1,0 +1,129 @@
+"""Build a model lazily, cut or shard it for this rank, then read only this rank's tensors.
+
+mlx-lm builds the model with lazily loaded weights; dropping layers (PP) or slicing projections
+(TP) before evaluation means no rank ever materialises the whole model. Evaluating one layer at
+a time bounds the transient memory of slicing to one layer's full tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load_config, load_model
+
+from thunderpool.engine.runner import Runner
+from thunderpool.errors import ModelError
+from thunderpool.parallel import tensor
+from thunderpool.parallel.pipeline import PipelineStage, split_layers
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How one model is spread over the ranks of a group."""
+
+    parallel: str = "tp"  # "tp" or "pp"; ignored on one rank
+    tp_weights: tuple[float, ...] | None = None
+    layer_split: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStats:
+    rank: int
+    param_bytes: int
+    peak_rss_bytes: int
+    seconds: float
+    layers: tuple[int, int]
+    method: str
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def check_safetensors(path: Path) -> None:
+    """Fail fast on a truncated or corrupt file instead of crashing mid-load."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n <= 0 or 8 + n > size:
+                raise ValueError(f"header length {n} does not fit in {size} bytes")
+            header = json.loads(f.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError) as e:
+        raise ModelError(f"{path} is not a valid safetensors file ({e}); re-download or re-import it")
+    if 8 + n + end > size:
+        raise ModelError(
+            f"{path} is truncated: its header needs {8 + n + end} bytes but the file has {size}; "
+            "re-download or re-import the model"
+        )
+
+
+def read_config(model_dir: Path) -> dict:
+    if not (model_dir / "config.json").is_file():
+        raise ModelError(f"{model_dir} has no config.json; pass an MLX/HF model directory")
+    try:
+        return load_config(model_dir)
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{model_dir / 'config.json'} is not valid JSON: {e}")
+
+
+def build_lazy(model_dir: Path) -> tuple[nn.Module, dict]:
+    """The full model with lazily loaded (not yet read) weights."""
+    config = read_config(model_dir)
+    files = sorted(model_dir.glob("model*.safetensors"))
+    if not files:
+        raise ModelError(f"{model_dir} has no model*.safetensors weight files")
+    for f in files:
+        check_safetensors(f)
+    try:
+        return load_model(model_dir, lazy=True, strict=True)
+    except ValueError as e:
+        if "not supported" in str(e):
+            raise ModelError(
+                f"model_type '{config.get('model_type')}' in {model_dir / 'config.json'} is not "
+                "supported by mlx-lm; use a supported architecture (llama, qwen2, qwen3, "
+                "qwen3_moe, mistral, ...) or upgrade mlx-lm"
+            )
+        raise ModelError(f"cannot build the model in {model_dir}: {e}")
+
+
+def load_shard(model_dir: Path, group: mx.distributed.Group, layout: Layout) -> tuple[Runner, dict, LoadStats]:
+    """Build, cut or shard, and load this rank's part of the model."""
+    start = time.perf_counter()
+    model, config = build_lazy(model_dir)
+    n_layers = len(model.layers)
+    bounds, stage, method = (0, n_layers), None, "single"
+    if group.size() > 1 and layout.parallel == "pp":
+        split = split_layers(n_layers, group.size(), list(layout.layer_split or []) or None)
+        stage = PipelineStage(model, group, split)
+        bounds, method = split[group.rank()], "pp"
+    elif group.size() > 1:
+        method = tensor.shard(model, group, list(layout.tp_weights or []) or None)
+    try:
+        for layer in model.layers:
+            mx.eval(layer.parameters())
+        mx.eval(model.parameters())
+    except (RuntimeError, ValueError) as e:
+        raise ModelError(f"cannot read the weights in {model_dir}: {e}")
+    param_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    stats = LoadStats(
+        rank=group.rank(),
+        param_bytes=param_bytes,
+        peak_rss_bytes=peak_rss_bytes(),
+        seconds=time.perf_counter() - start,
+        layers=bounds,
+        method=method,
+    )
+    return Runner(model, group, stage), config, stats

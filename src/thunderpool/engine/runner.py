@@ -1,0 +1,38 @@
+"""One forward of a batch on this rank, the same call for single, TP and PP layouts."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from thunderpool.parallel.pipeline import PipelineStage
+
+
+class Runner:
+    """Runs the local part of the model; the leader (rank 0) gets the last position's logits."""
+
+    def __init__(self, model: nn.Module, group: mx.distributed.Group, stage: PipelineStage | None):
+        self.model, self.group, self.stage = model, group, stage
+        self.rank, self.size = group.rank(), group.size()
+        self.is_leader = self.rank == 0
+
+    def make_cache(self) -> list:
+        return make_prompt_cache(self.model)
+
+    def forward(self, tokens: mx.array, cache: list) -> mx.array | None:
+        """tokens (B, L) -> logits (B, V) on the leader; on followers, what must be evaluated."""
+        if self.stage is not None:
+            h = self.stage.forward(tokens, cache)
+        else:
+            h = self.model.model(tokens, cache=cache)[:, -1:, :]
+        if not self.is_leader:
+            return h  # TP followers evaluate the same all_sums as the leader; PP ones get None
+        return self.project(h)[:, -1, :]
+
+    def project(self, h: mx.array) -> mx.array:
+        """The output head; tied models reuse the embedding matrix."""
+        head = getattr(self.model, "lm_head", None)
+        if head is not None:
+            return head(h)
+        return self.model.model.embed_tokens.as_linear(h)

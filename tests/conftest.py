@@ -1,0 +1,91 @@
+"""Shared fixtures: tiny random HF-format checkpoints and a helper to run rank instances."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes
+
+BASE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 96,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "rope_theta": 10000.0,
+    "torch_dtype": "float32",
+}
+
+TINY = {
+    # 8 query / 2 KV heads: TP2 is even (mlx-lm's shard), TP3 replicates KV heads.
+    "llama": {**BASE, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+              "num_attention_heads": 8, "num_key_value_heads": 2, "tie_word_embeddings": False},
+    # 6 query / 3 KV heads like SmolLM2: TP2 splits KV heads 2+1, TP3 is even.
+    "qwen3": {**BASE, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+              "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 16,
+              "tie_word_embeddings": True},
+    "qwen3_moe": {**BASE, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                  "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [], "moe_intermediate_size": 48, "norm_topk_prob": True,
+                  "tie_word_embeddings": False},
+}
+
+
+def make_tiny(kind: str, path: Path, seed: int = 0) -> Path:
+    """Write a random checkpoint with Hugging Face tensor names (experts unstacked)."""
+    config = TINY[kind]
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    weights = {}
+    for name, w in tree_flatten(model.parameters()):
+        # Bigger-than-default weights give peaked logits, so greedy ties are not a coin flip.
+        w = w * 2.0 if w.ndim == 2 and "embed" not in name else w
+        if ".switch_mlp." in name:
+            prefix, proj = name.split(".switch_mlp.")
+            for e in range(w.shape[0]):
+                weights[f"{prefix}.experts.{e}.{proj}"] = w[e]
+        else:
+            weights[name] = w
+    if config.get("tie_word_embeddings"):
+        weights.pop("lm_head.weight", None)
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: make_tiny(kind, root / kind) for kind in TINY}
+
+
+def tiny_prompts(n: int = 2, seed: int = 1) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=int(rng.integers(5, 40))).tolist() for _ in range(n)]
+
+
+def run_trace(model_dir: Path, out: Path, nodes: int = 1, parallel: str = "tp",
+              prompts: list[list[int]] | None = None, max_tokens: int = 32,
+              **job_fields) -> dict[str, np.ndarray]:
+    """Greedy-decode `prompts` on `nodes` real rank processes; returns tokens and logits."""
+    from thunderpool.cluster.launch import LocalInstance
+    from thunderpool.engine.job import RankJob, TraceTask
+
+    task = TraceTask(prompts=tuple(map(tuple, prompts or tiny_prompts())),
+                     max_tokens=max_tokens, out=str(out))
+    job = RankJob(model_dir=str(model_dir), world_size=nodes, parallel=parallel, task=task,
+                  **job_fields)
+    with LocalInstance(job, timeout=120) as inst:
+        events = list(inst.events())
+    assert [e.event["kind"] for e in events].count("loaded") == nodes
+    data = np.load(out)
+    return {"tokens": data["tokens"], "logits": data["logits"], "events": events}
