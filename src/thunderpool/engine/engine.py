@@ -134,8 +134,23 @@ class Leader:
             yield tail
         self.stats.finish_reason = reason
 
+    def probe(self, shape: tuple[int, ...], repeats: int) -> float:
+        """Median seconds of one all_sum of `shape` floats across the group (all ranks join)."""
+        self.control.send({"op": "probe", "shape": list(shape), "n": repeats})
+        return all_sum_latency(self.control.group, shape, repeats)
+
     def shutdown(self) -> None:
         self.control.send({"op": "stop"})
+
+
+def all_sum_latency(group: mx.distributed.Group, shape: tuple[int, ...], repeats: int) -> float:
+    x = mx.zeros(shape)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mx.eval(mx.distributed.all_sum(x, group=group))
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
 
 
 def follow(runner: Runner, control: Control) -> None:
@@ -152,5 +167,7 @@ def follow(runner: Runner, control: Control) -> None:
                 out = runner.forward(mx.array([command["t"]]), cache)
                 if out is not None:
                     mx.eval(out)
+            case "probe":
+                all_sum_latency(control.group, tuple(command["shape"]), command["n"])
             case op:
                 raise RuntimeError(f"unknown command {op!r} from the leader")

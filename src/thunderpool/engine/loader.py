@@ -127,3 +127,13 @@ def load_shard(model_dir: Path, group: mx.distributed.Group, layout: Layout) -> 
         method=method,
     )
     return Runner(model, group, stage), config, stats
+
+
+def preflight(model_dir: Path, world_size: int, layout: Layout) -> dict:
+    """Check in seconds, before any rank starts, that this layout can be built for the model."""
+    model, config = build_lazy(model_dir)
+    if world_size > 1 and layout.parallel == "pp":
+        split_layers(len(model.layers), world_size, list(layout.layer_split or []) or None)
+    elif world_size > 1:
+        tensor.check(model, world_size, list(layout.tp_weights or []) or None)
+    return config

@@ -212,12 +212,27 @@ def _even(model: nn.Module, n: int, weights: list[float]) -> bool:
     return True
 
 
+def check(model: nn.Module, n: int, weights: list[float] | None = None) -> None:
+    """Raise ShardingError if `model` cannot be split over n ranks with these weights."""
+    weights = list(weights or [1.0] * n)
+    if len(weights) != n:
+        raise ShardingError(f"--tp-weights has {len(weights)} parts for {n} ranks")
+    if _even(model, n, weights):
+        return
+    attn = model.layers[0].self_attn
+    if not hasattr(attn, "n_heads") or not hasattr(attn, "n_kv_heads"):
+        raise ShardingError(
+            f"{type(model).__module__} has no standard attention; use --parallel pp for this model"
+        )
+    split_heads(attn.n_heads, attn.n_kv_heads, weights)
+
+
 def shard(model: nn.Module, group: mx.distributed.Group, weights: list[float] | None = None) -> str:
     """Shard `model` in place for this rank of `group`; returns which method was used."""
     n, rank = group.size(), group.rank()
     weights = list(weights or [1.0] * n)
     if len(weights) != n:
-        raise ShardingError(f"{len(weights)} TP weights given for {n} ranks")
+        raise ShardingError(f"--tp-weights has {len(weights)} parts for {n} ranks")
     if n == 1:
         return "none"
     if _even(model, n, weights):

@@ -1,0 +1,5 @@
+import sys
+
+from thunderpool.cli import main
+
+sys.exit(main())

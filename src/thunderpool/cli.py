@@ -1,0 +1,118 @@
+"""Command line: `thunderpool generate | import-gguf | bench`.
+
+User errors print one line (`error: ...`) and exit 2; no traceback reaches the user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from thunderpool import __version__
+from thunderpool.errors import ThunderpoolError
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers")
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of numbers")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"'{text}' must be a whole number >= 1")
+    return value
+
+
+def _add_layout(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="MLX/HF model dir, .gguf file or Hugging Face repo id "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--nodes", type=_positive, default=2, help="number of local ranks (default 2)")
+    p.add_argument("--parallel", choices=("tp", "pp"), default="tp",
+                   help="tensor parallel (faster) or pipeline parallel (fits bigger models)")
+    p.add_argument("--layer-split", type=_ints, help="PP: per-rank layer weights, e.g. 20,10")
+    p.add_argument("--tp-weights", type=_floats, help="TP: per-rank head shares, e.g. 2,1")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds of silence from the ranks before all are stopped (default 600)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="thunderpool",
+        description="Pool several machines into one inference machine (MLX tensor + pipeline "
+        "parallel).",
+    )
+    parser.add_argument("--version", action="version", version=f"thunderpool {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="start local ranks, load the model sharded, stream "
+                         "an answer, print TTFT, tok/s and peak memory per rank")
+    _add_layout(gen)
+    gen.add_argument("--prompt", required=True, help="the user message")
+    gen.add_argument("--max-tokens", type=_positive, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, help="sampling seed, for reproducible samples")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--prefill-chunk", type=_positive, default=512,
+                     help="prompt tokens per prefill step (default 512)")
+
+    imp = sub.add_parser("import-gguf", help="turn a llama/qwen2 GGUF file into an MLX model dir")
+    imp.add_argument("file", type=Path)
+    imp.add_argument("--out", type=Path, help="output dir (default: next to the file)")
+    imp.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "q4"),
+                     default="float32", help="weight dtype (float32 is fastest on Linux CPUs)")
+
+    bench = sub.add_parser("bench", help="decode/prefill tok/s: our engine vs mlx-lm on one "
+                           "rank, then TP and PP on --nodes ranks")
+    bench.add_argument("--model", help="model (default: the embedded SmolLM2-135M-Instruct)")
+    bench.add_argument("--nodes", type=_positive, default=2)
+    bench.add_argument("--prompt-tokens", type=_positive, default=128)
+    bench.add_argument("--max-tokens", type=_positive, default=64)
+    bench.add_argument("--repeats", type=_positive, default=3)
+    bench.add_argument("--json", type=Path, help="write all results as JSON here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        match args.command:
+            case "generate":
+                from thunderpool.commands import generate
+
+                return generate(args)
+            case "import-gguf":
+                from thunderpool.commands import import_gguf
+
+                return import_gguf(args)
+            case "bench":
+                from thunderpool.commands import bench
+
+                return bench(args)
+    except ThunderpoolError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; all ranks stopped", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
