@@ -24,17 +24,39 @@ BASE = {
 
 TINY = {
     # 8 query / 2 KV heads: TP2 is even (mlx-lm's shard), TP3 replicates KV heads.
-    "llama": {**BASE, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-              "num_attention_heads": 8, "num_key_value_heads": 2, "tie_word_embeddings": False},
+    "llama": {
+        **BASE,
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+    },
     # 6 query / 3 KV heads like SmolLM2: TP2 splits KV heads 2+1, TP3 is even.
-    "qwen3": {**BASE, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
-              "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 16,
-              "tie_word_embeddings": True},
-    "qwen3_moe": {**BASE, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
-                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                  "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
-                  "mlp_only_layers": [], "moe_intermediate_size": 48, "norm_topk_prob": True,
-                  "tie_word_embeddings": False},
+    "qwen3": {
+        **BASE,
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "num_attention_heads": 6,
+        "num_key_value_heads": 3,
+        "head_dim": 16,
+        "tie_word_embeddings": True,
+    },
+    "qwen3_moe": {
+        **BASE,
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 48,
+        "norm_topk_prob": True,
+        "tie_word_embeddings": False,
+    },
 }
 
 
@@ -73,17 +95,25 @@ def tiny_prompts(n: int = 2, seed: int = 1) -> list[list[int]]:
     return [rng.integers(0, 256, size=int(rng.integers(5, 40))).tolist() for _ in range(n)]
 
 
-def run_trace(model_dir: Path, out: Path, nodes: int = 1, parallel: str = "tp",
-              prompts: list[list[int]] | None = None, max_tokens: int = 32,
-              **job_fields) -> dict[str, np.ndarray]:
+def run_trace(
+    model_dir: Path,
+    out: Path,
+    nodes: int = 1,
+    parallel: str = "tp",
+    prompts: list[list[int]] | None = None,
+    max_tokens: int = 32,
+    **job_fields,
+) -> dict[str, np.ndarray]:
     """Greedy-decode `prompts` on `nodes` real rank processes; returns tokens and logits."""
     from thunderpool.cluster.launch import LocalInstance
     from thunderpool.engine.job import RankJob, TraceTask
 
-    task = TraceTask(prompts=tuple(map(tuple, prompts or tiny_prompts())),
-                     max_tokens=max_tokens, out=str(out))
-    job = RankJob(model_dir=str(model_dir), world_size=nodes, parallel=parallel, task=task,
-                  **job_fields)
+    task = TraceTask(
+        prompts=tuple(map(tuple, prompts or tiny_prompts())), max_tokens=max_tokens, out=str(out)
+    )
+    job = RankJob(
+        model_dir=str(model_dir), world_size=nodes, parallel=parallel, task=task, **job_fields
+    )
     with LocalInstance(job, timeout=120) as inst:
         events = list(inst.events())
     assert [e.event["kind"] for e in events].count("loaded") == nodes

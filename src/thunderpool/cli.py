@@ -17,14 +17,16 @@ def _ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers")
+        msg = f"'{text}' is not a comma-separated list of integers"
+        raise argparse.ArgumentTypeError(msg) from None
 
 
 def _floats(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of numbers")
+        msg = f"'{text}' is not a comma-separated list of numbers"
+        raise argparse.ArgumentTypeError(msg) from None
 
 
 def _positive(text: str) -> int:
@@ -38,15 +40,26 @@ def _positive(text: str) -> int:
 
 
 def _add_layout(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="MLX/HF model dir, .gguf file or Hugging Face repo id "
-                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        help="MLX/HF model dir, .gguf file or Hugging Face repo id "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--nodes", type=_positive, default=2, help="number of local ranks (default 2)")
-    p.add_argument("--parallel", choices=("tp", "pp"), default="tp",
-                   help="tensor parallel (faster) or pipeline parallel (fits bigger models)")
+    p.add_argument(
+        "--parallel",
+        choices=("tp", "pp"),
+        default="tp",
+        help="tensor parallel (faster) or pipeline parallel (fits bigger models)",
+    )
     p.add_argument("--layer-split", type=_ints, help="PP: per-rank layer weights, e.g. 20,10")
     p.add_argument("--tp-weights", type=_floats, help="TP: per-rank head shares, e.g. 2,1")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds of silence from the ranks before all are stopped (default 600)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds of silence from the ranks before all are stopped (default 600)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,8 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"thunderpool {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="start local ranks, load the model sharded, stream "
-                         "an answer, print TTFT, tok/s and peak memory per rank")
+    gen = sub.add_parser(
+        "generate",
+        help="start local ranks, load the model sharded, stream "
+        "an answer, print TTFT, tok/s and peak memory per rank",
+    )
     _add_layout(gen)
     gen.add_argument("--prompt", required=True, help="the user message")
     gen.add_argument("--max-tokens", type=_positive, default=256)
@@ -69,17 +85,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="sampling seed, for reproducible samples")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    gen.add_argument("--prefill-chunk", type=_positive, default=512,
-                     help="prompt tokens per prefill step (default 512)")
+    gen.add_argument(
+        "--prefill-chunk",
+        type=_positive,
+        default=512,
+        help="prompt tokens per prefill step (default 512)",
+    )
 
     imp = sub.add_parser("import-gguf", help="turn a llama/qwen2 GGUF file into an MLX model dir")
     imp.add_argument("file", type=Path)
     imp.add_argument("--out", type=Path, help="output dir (default: next to the file)")
-    imp.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "q4"),
-                     default="float32", help="weight dtype (float32 is fastest on Linux CPUs)")
+    imp.add_argument(
+        "--dtype",
+        choices=("float32", "float16", "bfloat16", "q4"),
+        default="float32",
+        help="weight dtype (float32 is fastest on Linux CPUs)",
+    )
 
-    bench = sub.add_parser("bench", help="decode/prefill tok/s: our engine vs mlx-lm on one "
-                           "rank, then TP and PP on --nodes ranks")
+    bench = sub.add_parser(
+        "bench",
+        help="decode/prefill tok/s: our engine vs mlx-lm on one "
+        "rank, then TP and PP on --nodes ranks",
+    )
     bench.add_argument("--model", help="model (default: the embedded SmolLM2-135M-Instruct)")
     bench.add_argument("--nodes", type=_positive, default=2)
     bench.add_argument("--prompt-tokens", type=_positive, default=128)

@@ -24,17 +24,27 @@ def generate(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True)
     try:
-        sampling = Sampling(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            stop=tuple(args.stop))
+        sampling = Sampling(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=tuple(args.stop),
+        )
     except ValueError as e:
-        raise ThunderpoolError(_first_error(e))
+        raise ThunderpoolError(_first_error(e)) from None
     model_dir = resolve_model(args.model)
     preflight(model_dir, args.nodes, Layout(args.parallel, args.tp_weights, args.layer_split))
-    job = RankJob(model_dir=str(model_dir), world_size=args.nodes, parallel=args.parallel,
-                  tp_weights=args.tp_weights, layer_split=args.layer_split,
-                  prefill_chunk=args.prefill_chunk,
-                  task=GenerateTask(prompt=args.prompt, chat=not args.raw, sampling=sampling))
+    job = RankJob(
+        model_dir=str(model_dir),
+        world_size=args.nodes,
+        parallel=args.parallel,
+        tp_weights=args.tp_weights,
+        layer_split=args.layer_split,
+        prefill_chunk=args.prefill_chunk,
+        task=GenerateTask(prompt=args.prompt, chat=not args.raw, sampling=sampling),
+    )
     mode = args.parallel.upper() if args.nodes > 1 else "single rank"
     err.print(f"[dim]{model_dir.name}: {args.nodes} rank(s), {mode}, MLX ring on loopback[/]")
     loaded, peaks, done = {}, {}, None
@@ -63,14 +73,28 @@ def _print_summary(console: Console, done: dict, loaded: dict, peaks: dict) -> N
         f"({done['prompt_tokens']} tokens) | decode {done['decode_tps']:.1f} tok/s "
         f"({done['generated_tokens']} tokens) | finish: {done['finish_reason']}"
     )
-    table = Table("rank", "layers", "sharding", "params", "RSS after load", "peak RSS",
-                  "peak MLX", title="memory per rank")
+    table = Table(
+        "rank",
+        "layers",
+        "sharding",
+        "params",
+        "RSS after load",
+        "peak RSS",
+        "peak MLX",
+        title="memory per rank",
+    )
     for rank in sorted(loaded):
         ld, pk = loaded[rank], peaks.get(rank, {})
         a, b = ld["layers"]
-        table.add_row(str(rank), f"{a}-{b - 1}", ld["method"], _mib(ld["param_bytes"]),
-                      _mib(ld["peak_rss_bytes"]), _mib(pk.get("peak_rss_bytes", 0)),
-                      _mib(pk.get("peak_mlx_bytes", 0)))
+        table.add_row(
+            str(rank),
+            f"{a}-{b - 1}",
+            ld["method"],
+            _mib(ld["param_bytes"]),
+            _mib(ld["peak_rss_bytes"]),
+            _mib(pk.get("peak_rss_bytes", 0)),
+            _mib(pk.get("peak_mlx_bytes", 0)),
+        )
     console.print(table)
 
 
@@ -96,7 +120,13 @@ def bench(args: argparse.Namespace) -> int:
     from thunderpool.models.source import resolve_model
 
     model_dir = resolve_model(args.model)
-    run_bench(model_dir, nodes=args.nodes, prompt_tokens=args.prompt_tokens,
-              max_tokens=args.max_tokens, repeats=args.repeats, json_out=args.json,
-              console=Console())
+    run_bench(
+        model_dir,
+        nodes=args.nodes,
+        prompt_tokens=args.prompt_tokens,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        json_out=args.json,
+        console=Console(),
+    )
     return 0

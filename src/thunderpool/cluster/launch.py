@@ -65,10 +65,16 @@ def _cpus() -> list[int]:
 
 
 class LocalInstance:
-    """N ranks of one job on this host. Use as a context manager; `events()` streams their output."""
+    """N ranks of one job on this host; a context manager whose `events()` streams their output."""
 
-    def __init__(self, job: RankJob, *, timeout: float = 600.0, pin: bool | None = None,
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        job: RankJob,
+        *,
+        timeout: float = 600.0,
+        pin: bool | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self.job, self.timeout = job, timeout
         n = job.world_size
         cpus = _cpus()
@@ -146,13 +152,15 @@ class LocalInstance:
         self._check_exits()
 
     def _check_exits(self) -> None:
-        for rank, p in enumerate(self.procs):
-            code = p.poll()
-            if code not in (None, 0):
-                time.sleep(0.2)  # let the stderr pump catch the rank's last words
-                self._drain()
-                self.kill()
-                raise LaunchError(self._describe_failure(rank, code))
+        failed = [(r, p.poll()) for r, p in enumerate(self.procs) if p.poll() not in (None, 0)]
+        if not failed:
+            return
+        time.sleep(0.2)  # let the stderr pumps catch the ranks' last words
+        self._drain()
+        self.kill()
+        # A rank killed by a signal is the cause; its peers then fail on the broken link.
+        rank, code = min(failed, key=lambda rc: (rc[1] >= 0, rc[0]))
+        raise LaunchError(self._describe_failure(rank, code))
 
     def _drain(self) -> None:
         with contextlib.suppress(queue.Empty):
@@ -166,7 +174,8 @@ class LocalInstance:
         tail = [ln for ln in self.stderr_tail[rank] if ln.strip()]
         errors = [ln for ln in tail if ln.startswith("error:")]
         last = (errors or tail or ["(no output)"])[-1]
-        return f"rank {rank} {how}: {last.removeprefix('error: ')}; stopped all {len(self.procs)} ranks"
+        cause = last.removeprefix("error: ")
+        return f"rank {rank} {how}: {cause}; stopped all {len(self.procs)} ranks"
 
     def kill(self, grace: float = 2.0) -> None:
         """SIGTERM every rank's process group, then SIGKILL what is left; reap all."""

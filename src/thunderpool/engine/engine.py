@@ -110,9 +110,7 @@ class Leader:
         self.control.send({"op": "fwd", "t": tokens})
         return self.runner.forward(mx.array([tokens]), cache)
 
-    def generate_text(
-        self, prompt: list[int], params: SamplingParams, tokenizer
-    ) -> Iterator[str]:
+    def generate_text(self, prompt: list[int], params: SamplingParams, tokenizer) -> Iterator[str]:
         """Yields text deltas; stops on EOS, stop strings or max_tokens (see self.stats)."""
         text = TextStream(tokenizer, params.stop)
         eos = set(tokenizer.eos_token_ids or [])

@@ -60,9 +60,13 @@ def check_safetensors(path: Path) -> None:
             if n <= 0 or 8 + n > size:
                 raise ValueError(f"header length {n} does not fit in {size} bytes")
             header = json.loads(f.read(n))
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        end = max(
+            (t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0
+        )
     except (ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError) as e:
-        raise ModelError(f"{path} is not a valid safetensors file ({e}); re-download or re-import it")
+        raise ModelError(
+            f"{path} is not a valid safetensors file ({e}); re-download or re-import it"
+        ) from e
     if 8 + n + end > size:
         raise ModelError(
             f"{path} is truncated: its header needs {8 + n + end} bytes but the file has {size}; "
@@ -76,7 +80,7 @@ def read_config(model_dir: Path) -> dict:
     try:
         return load_config(model_dir)
     except json.JSONDecodeError as e:
-        raise ModelError(f"{model_dir / 'config.json'} is not valid JSON: {e}")
+        raise ModelError(f"{model_dir / 'config.json'} is not valid JSON: {e}") from e
 
 
 def build_lazy(model_dir: Path) -> tuple[nn.Module, dict]:
@@ -95,11 +99,13 @@ def build_lazy(model_dir: Path) -> tuple[nn.Module, dict]:
                 f"model_type '{config.get('model_type')}' in {model_dir / 'config.json'} is not "
                 "supported by mlx-lm; use a supported architecture (llama, qwen2, qwen3, "
                 "qwen3_moe, mistral, ...) or upgrade mlx-lm"
-            )
-        raise ModelError(f"cannot build the model in {model_dir}: {e}")
+            ) from e
+        raise ModelError(f"cannot build the model in {model_dir}: {e}") from e
 
 
-def load_shard(model_dir: Path, group: mx.distributed.Group, layout: Layout) -> tuple[Runner, dict, LoadStats]:
+def load_shard(
+    model_dir: Path, group: mx.distributed.Group, layout: Layout
+) -> tuple[Runner, dict, LoadStats]:
     """Build, cut or shard, and load this rank's part of the model."""
     start = time.perf_counter()
     model, config = build_lazy(model_dir)
@@ -116,7 +122,7 @@ def load_shard(model_dir: Path, group: mx.distributed.Group, layout: Layout) -> 
             mx.eval(layer.parameters())
         mx.eval(model.parameters())
     except (RuntimeError, ValueError) as e:
-        raise ModelError(f"cannot read the weights in {model_dir}: {e}")
+        raise ModelError(f"cannot read the weights in {model_dir}: {e}") from e
     param_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     stats = LoadStats(
         rank=group.rank(),

@@ -1,4 +1,4 @@
-"""Streaming text of one sequence: detokenize as tokens arrive, hold back and cut at stop strings."""
+"""Streaming text of one sequence: detokenize as tokens arrive; hold back and cut at stops."""
 
 from __future__ import annotations
 

@@ -38,9 +38,15 @@ def run(job: RankJob) -> None:
         raise ThunderpoolError(f"MLX formed a group of {group.size()}, expected {job.world_size}")
     layout = Layout(job.parallel, job.tp_weights, job.layer_split)
     runner, config, stats = load_shard(Path(job.model_dir), group, layout)
-    emit("loaded", rank=stats.rank, param_bytes=stats.param_bytes,
-         peak_rss_bytes=stats.peak_rss_bytes, seconds=stats.seconds,
-         layers=list(stats.layers), method=stats.method)
+    emit(
+        "loaded",
+        rank=stats.rank,
+        param_bytes=stats.param_bytes,
+        peak_rss_bytes=stats.peak_rss_bytes,
+        seconds=stats.seconds,
+        layers=list(stats.layers),
+        method=stats.method,
+    )
     control = Control(group)
     if not runner.is_leader:
         follow(runner, control)
@@ -58,8 +64,12 @@ def run(job: RankJob) -> None:
                     bench_leader(leader, task, group, emit)
         finally:
             leader.shutdown()
-    emit("rank_done", rank=group.rank(), peak_rss_bytes=peak_rss_bytes(),
-         peak_mlx_bytes=mx.get_peak_memory())
+    emit(
+        "rank_done",
+        rank=group.rank(),
+        peak_rss_bytes=peak_rss_bytes(),
+        peak_mlx_bytes=mx.get_peak_memory(),
+    )
 
 
 def _generate(leader: Leader, job: RankJob, task: GenerateTask) -> None:

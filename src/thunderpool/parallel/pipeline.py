@@ -16,7 +16,9 @@ from mlx.utils import tree_flatten
 from thunderpool.errors import ShardingError
 
 
-def split_layers(n_layers: int, n_stages: int, split: list[int] | None = None) -> list[tuple[int, int]]:
+def split_layers(
+    n_layers: int, n_stages: int, split: list[int] | None = None
+) -> list[tuple[int, int]]:
     """Stage bounds [start, end) per rank; `split` gives per-rank weights (e.g. 20,10)."""
     if n_stages > n_layers:
         raise ShardingError(
@@ -49,7 +51,9 @@ class _Identity(nn.Module):
 class PipelineStage:
     """Cuts `model` to this rank's stage and runs the stage's part of a forward."""
 
-    def __init__(self, model: nn.Module, group: mx.distributed.Group, bounds: list[tuple[int, int]]):
+    def __init__(
+        self, model: nn.Module, group: mx.distributed.Group, bounds: list[tuple[int, int]]
+    ):
         inner = getattr(model, "model", None)
         if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
             raise ShardingError(
@@ -93,7 +97,9 @@ class PipelineStage:
             last = h[:, -1:, :].astype(self.dtype)
             mx.eval(mx.distributed.send(last, 0, group=self.group))
         if self.rank == 0:
-            return mx.distributed.recv((B, 1, self.hidden), self.dtype, self.size - 1, group=self.group)
+            return mx.distributed.recv(
+                (B, 1, self.hidden), self.dtype, self.size - 1, group=self.group
+            )
         return None
 
 
