@@ -70,7 +70,7 @@ def import_gguf(
     gguf_path, out_dir = Path(gguf_path).expanduser(), Path(out_dir).expanduser()
     if dtype not in DTYPES:
         raise ModelError(f"dtype {dtype!r} is not supported for GGUF import; use one of {DTYPES}")
-    if out_dir.exists() and any(out_dir.iterdir()):
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ModelError(
             f"output directory {out_dir} already exists and is not empty; remove it or choose "
             "another directory"
