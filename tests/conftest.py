@@ -102,14 +102,18 @@ def run_trace(
     parallel: str = "tp",
     prompts: list[list[int]] | None = None,
     max_tokens: int = 32,
+    sampling=None,
     **job_fields,
 ) -> dict[str, np.ndarray]:
     """Greedy-decode `prompts` on `nodes` real rank processes; returns tokens and logits."""
     from thunderpool.cluster.launch import LocalInstance
-    from thunderpool.engine.job import RankJob, TraceTask
+    from thunderpool.engine.job import RankJob, Sampling, TraceTask
 
     task = TraceTask(
-        prompts=tuple(map(tuple, prompts or tiny_prompts())), max_tokens=max_tokens, out=str(out)
+        prompts=tuple(map(tuple, prompts or tiny_prompts())),
+        max_tokens=max_tokens,
+        out=str(out),
+        sampling=sampling or Sampling(),
     )
     job = RankJob(
         model_dir=str(model_dir), world_size=nodes, parallel=parallel, task=task, **job_fields

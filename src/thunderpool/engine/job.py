@@ -30,13 +30,15 @@ class GenerateTask(_Frozen):
 
 
 class TraceTask(_Frozen):
-    """Greedy-decode token prompts and save every step's token and logits (equivalence tests)."""
+    """Decode token prompts (greedy unless `sampling` says otherwise) and save every step's
+    token and logits to an .npz file (equivalence tests, logprob checks)."""
 
     kind: Literal["trace"] = "trace"
     prompts: tuple[tuple[int, ...], ...]
     max_tokens: int = Field(32, ge=1)
     out: str
     keep_logits: bool = True
+    sampling: Sampling = Sampling()
 
 
 class BenchTask(_Frozen):

@@ -121,6 +121,7 @@ def load_shard(
         for layer in model.layers:
             mx.eval(layer.parameters())
         mx.eval(model.parameters())
+        mx.clear_cache()  # return the freed full-size source tensors to the system
     except (RuntimeError, ValueError) as e:
         raise ModelError(f"cannot read the weights in {model_dir}: {e}") from e
     param_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))

@@ -92,7 +92,8 @@ def _generate(leader: Leader, job: RankJob, task: GenerateTask) -> None:
 
 
 def _trace(leader: Leader, task: TraceTask) -> None:
-    params = SamplingParams(max_tokens=task.max_tokens)
+    fields = task.sampling.model_dump() | {"max_tokens": task.max_tokens}
+    params = SamplingParams(**fields)
     tokens, logits = [], []
     for prompt in task.prompts:
         steps = list(leader.generate_ids(list(prompt), params, keep_logits=task.keep_logits))

@@ -1,0 +1,58 @@
+"""`thunderpool generate` end to end on the embedded model: chat template, streamed text, stats."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.reference
+
+QUESTION = "What is the capital of France?"
+
+
+def generate(*args: str) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "thunderpool",
+        "generate",
+        "--prompt",
+        QUESTION,
+        "--max-tokens",
+        "24",
+        *args,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def single():
+    proc = generate("--nodes", "1")
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_single_rank_answers_paris_and_reports_stats(single):
+    assert "Paris" in single.stdout
+    assert "TTFT" in single.stderr and "decode" in single.stderr
+    assert "memory per rank" in single.stderr
+
+
+@pytest.mark.parametrize("parallel", ["tp", "pp"])
+def test_two_ranks_stream_the_same_text(parallel, single):
+    proc = generate("--nodes", "2", "--parallel", parallel)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == single.stdout
+    # Both ranks report their memory.
+    rows = [ln for ln in proc.stderr.splitlines() if ln.startswith("│ 0") or ln.startswith("│ 1")]
+    assert len(rows) == 2
+
+
+def test_stop_string_cuts_the_answer(single):
+    proc = generate("--nodes", "1", "--stop", "Paris")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" not in proc.stdout
+    assert single.stdout.startswith(proc.stdout.rstrip("\n"))
+    assert "finish: stop" in proc.stderr
