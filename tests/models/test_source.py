@@ -164,3 +164,18 @@ def test_real_default_model_loads(tmp_path):
     _, tok = load(str(path))
     assert tok.encode("Hello world") == [19556, 905]
     assert not [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".")]
+
+
+def test_default_import_writes_nothing_to_stdout(tmp_path):
+    """stdout carries only the answer; progress bars belong on stderr."""
+    import subprocess
+    import sys
+
+    code = "from thunderpool.models.source import resolve_model; resolve_model(None)"
+    env = {**__import__("os").environ, "THUNDERPOOL_CACHE": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+    assert (tmp_path / "models" / "SmolLM2-135M-Instruct-f32" / "config.json").is_file()

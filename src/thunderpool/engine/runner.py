@@ -33,6 +33,7 @@ class Runner:
     def project(self, h: mx.array) -> mx.array:
         """The output head; tied models reuse the embedding matrix."""
         head = getattr(self.model, "lm_head", None)
-        if head is not None:
-            return head(h)
-        return self.model.model.embed_tokens.as_linear(h)
+        logits = head(h) if head is not None else self.model.model.embed_tokens.as_linear(h)
+        # Gemma-2-style models soft-cap their logits inside Model.__call__, which we bypass.
+        cap = getattr(getattr(self.model, "args", None), "final_logit_softcapping", None)
+        return mx.tanh(logits / cap) * cap if cap else logits

@@ -294,6 +294,7 @@ def _out_bytes(p: _Planned, dtype: str) -> int:
 
 def _write_weights(plan: list[_Planned], out: Path, dtype: str, progress: bool, label: str) -> None:
     """Write `model.safetensors`, or `model-0000i-of-0000n.safetensors` shards plus an index."""
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     shards: list[list[_Planned]] = [[]]
@@ -308,7 +309,9 @@ def _write_weights(plan: list[_Planned], out: Path, dtype: str, progress: bool, 
     n = len(shards)
     weight_map: dict[str, str] = {}
     columns = ("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn())
-    with Progress(*columns, TimeElapsedColumn(), disable=not progress) as bar:
+    # Progress goes to stderr so that stdout carries only the answer.
+    console = Console(stderr=True)
+    with Progress(*columns, TimeElapsedColumn(), disable=not progress, console=console) as bar:
         task = bar.add_task(f"importing {label}", total=len(plan))
         for i, shard in enumerate(shards, 1):
             fname = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"

@@ -1,0 +1,265 @@
+"""Roofline cost model: predicted decode and prefill speed of a layout over nodes and links.
+
+Each rank's time is max(bytes read / memory bandwidth, FLOPs / compute). A TP stage runs its
+ranks in parallel (the slowest rank sets the pace) and pays 2 ring all-reduces per layer; PP
+stages run one after another for a single stream and pay one hop per stage boundary, plus the
+hop that returns the last hidden state to rank 0 (which holds the embedding and output head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from thunderpool.errors import ThunderpoolError
+from thunderpool.parallel.tensor import split_heads
+from thunderpool.planner.spec import ModelSpec
+
+LinkKind = Literal["rdma", "thunderbolt", "ethernet", "wifi", "loopback"]
+LINK_KINDS = ("rdma", "thunderbolt", "ethernet", "wifi", "loopback")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    """A machine: memory (bytes), sustained memory bandwidth (B/s) and matmul FLOP/s.
+
+    A plan's use of a node (weights + KV + activations + os_reserve_bytes) must stay within
+    available_bytes, the memory the agent reports free for models.
+    """
+
+    name: str
+    memory_bytes: int
+    available_bytes: int
+    mem_bw_Bps: float
+    flops: float
+    os_reserve_bytes: int = 0
+
+    def __post_init__(self):
+        if self.mem_bw_Bps <= 0 or self.flops <= 0:
+            raise ThunderpoolError(
+                f"node {self.name!r} has mem_bw_Bps={self.mem_bw_Bps} and flops={self.flops}; "
+                "both must be positive (measure them with `thunderpool node`)"
+            )
+        if self.available_bytes > self.memory_bytes:
+            raise ThunderpoolError(
+                f"node {self.name!r} reports {self.available_bytes} bytes available but only "
+                f"{self.memory_bytes} in total; fix available_bytes"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSpec:
+    """A link between nodes a and b; latency_s is one-way (half the measured RTT)."""
+
+    a: str
+    b: str
+    latency_s: float
+    bandwidth_Bps: float
+    kind: LinkKind
+
+    def __post_init__(self):
+        if self.kind not in LINK_KINDS:
+            raise ThunderpoolError(
+                f"link {self.a}-{self.b} has kind {self.kind!r}; use one of {', '.join(LINK_KINDS)}"
+            )
+        if self.latency_s < 0 or self.bandwidth_Bps <= 0:
+            raise ThunderpoolError(
+                f"link {self.a}-{self.b} has latency {self.latency_s} s and bandwidth "
+                f"{self.bandwidth_Bps} B/s; latency must be >= 0 and bandwidth > 0"
+            )
+
+    def hop_s(self, nbytes: float) -> float:
+        """One point-to-point message."""
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+    def all_reduce_s(self, nbytes: float, n: int) -> float:
+        """Ring all-reduce of nbytes over n ranks: 2(n-1) steps, each moving nbytes/n."""
+        return 2 * (n - 1) / n * nbytes / self.bandwidth_Bps + 2 * (n - 1) * self.latency_s
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """Layers [start, end) run by `nodes` in TP with `tp_weights` (one node: no TP)."""
+
+    nodes: tuple[str, ...]
+    layers: tuple[int, int]
+    tp_weights: tuple[float, ...]
+
+    @property
+    def n_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """The fraction of one stage a rank holds: query heads, KV heads, MLP channels."""
+
+    node: str
+    q: float
+    kv: float  # a KV head replicated over ranks counts fully on each
+    mlp: float
+
+
+@dataclass(frozen=True, slots=True)
+class Breakdown:
+    """Seconds per decode step on the critical path; the three add up to the step time."""
+
+    compute_s: float
+    memory_s: float
+    collective_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """decode_tps is per stream; batch_tps counts all `concurrency` streams of a step."""
+
+    decode_tps: float
+    batch_tps: float
+    prefill_tps: float
+    ttft_s: float
+    breakdown: Breakdown
+    collectives_per_token: int
+
+
+def shares(spec: ModelSpec, stage: Stage) -> list[Share]:
+    """Each rank's share of a stage; raises ShardingError where split_heads would."""
+    if len(stage.nodes) == 1:
+        return [Share(stage.nodes[0], 1.0, 1.0, 1.0)]
+    weights = list(stage.tp_weights)
+    heads = split_heads(spec.heads, spec.kv_heads, weights)
+    total = sum(weights)
+    return [
+        Share(node, (h.q1 - h.q0) / spec.heads, (h.kv1 - h.kv0) / spec.kv_heads, w / total)
+        for node, h, w in zip(stage.nodes, heads, weights, strict=True)
+    ]
+
+
+def weight_bytes(spec: ModelSpec, stage: Stage, share: Share, first: bool) -> float:
+    """Bytes of weights a rank holds; every rank of the first stage holds embedding and head."""
+    return _layer_bytes(spec, stage, share, batch=None) + (_io_bytes(spec) if first else 0)
+
+
+def read_bytes(spec: ModelSpec, stage: Stage, share: Share, first: bool, batch: int) -> float:
+    """Weight bytes a rank reads in one forward of `batch` tokens (MoE: experts touched)."""
+    out = spec.output_bytes + spec.norm_bytes if first else 0
+    return _layer_bytes(spec, stage, share, batch) + out
+
+
+def kv_bytes(spec: ModelSpec, stage: Stage, share: Share, tokens: int, kv_dtype_bytes: float):
+    """KV-cache bytes a rank holds for `tokens` cached tokens (all sequences together)."""
+    per_layer = spec.kv_bytes_per_token_per_layer * kv_dtype_bytes / spec.kv_dtype_bytes
+    return tokens * per_layer * stage.n_layers * share.kv
+
+
+def predict(
+    spec: ModelSpec,
+    stages: list[Stage] | tuple[Stage, ...],
+    nodes: dict[str, NodeSpec],
+    links: list[LinkSpec],
+    prompt_tokens: int = 512,
+    concurrency: int = 1,
+    kv_dtype_bytes: float = 2.0,
+    act_bytes: float = 2.0,
+) -> Prediction:
+    """Predict a layout's speed; decode is measured right after a `prompt_tokens` prompt."""
+    batch, hidden = concurrency, spec.hidden
+    compute = memory = collective = 0.0
+    n_coll = 0
+    prefill = 0.0
+    for k, stage in enumerate(stages):
+        first, ranks = k == 0, shares(spec, stage)
+        # Decode: batch tokens, each attending over prompt_tokens cached tokens.
+        times = [
+            _rank_time(spec, stage, s, nodes[s.node], first, batch, prompt_tokens, kv_dtype_bytes)
+            for s in ranks
+        ]
+        mem_s, flop_s = max(times, key=lambda t: max(t))
+        memory += mem_s if mem_s >= flop_s else 0.0
+        compute += flop_s if flop_s > mem_s else 0.0
+        # Prefill: one prompt, compute-bound; attention covers half the square on average.
+        prefill += max(
+            max(_prefill_time(spec, stage, s, nodes[s.node], first, prompt_tokens)) for s in ranks
+        )
+        if len(ranks) > 1:
+            link = _slowest(links, stage.nodes, batch * hidden * act_bytes)
+            n_reduce = 2 * stage.n_layers
+            collective += n_reduce * link.all_reduce_s(batch * hidden * act_bytes, len(ranks))
+            prefill += n_reduce * link.all_reduce_s(prompt_tokens * hidden * act_bytes, len(ranks))
+            n_coll += n_reduce
+    if len(stages) > 1:
+        for k, stage in enumerate(stages):
+            nxt = stages[(k + 1) % len(stages)]
+            link = _fastest(links, stage.nodes, nxt.nodes, batch * hidden * act_bytes)
+            collective += link.hop_s(batch * hidden * act_bytes)
+            prefill += link.hop_s(prompt_tokens * hidden * act_bytes)
+            n_coll += 1
+    step = compute + memory + collective
+    return Prediction(
+        decode_tps=1.0 / step,
+        batch_tps=batch / step,
+        prefill_tps=prompt_tokens / prefill,
+        ttft_s=prefill,
+        breakdown=Breakdown(compute, memory, collective),
+        collectives_per_token=n_coll,
+    )
+
+
+def link_between(links: list[LinkSpec], a: str, b: str) -> list[LinkSpec]:
+    """Every link joining a and b, in either direction."""
+    return [x for x in links if {x.a, x.b} == {a, b}]
+
+
+def _layer_bytes(spec: ModelSpec, stage: Stage, share: Share, batch: int | None) -> float:
+    total = 0.0
+    for i in range(*stage.layers):
+        attn, kvp = spec.attn_bytes_per_layer[i], spec.kv_proj_bytes_per_layer[i]
+        layer = spec.bytes_per_layer[i] if batch is None else spec.layer_read_bytes(i, batch)
+        total += (attn - kvp) * share.q + kvp * share.kv + (layer - attn) * share.mlp
+    return total
+
+
+def _io_bytes(spec: ModelSpec) -> int:
+    return spec.embed_bytes + spec.head_bytes + spec.norm_bytes
+
+
+def _flops(spec: ModelSpec, stage: Stage, share: Share, first: bool, kv_len: float) -> float:
+    """FLOPs of one token on this rank: 2 per active parameter, plus QK and AV over kv_len."""
+    params = sum(spec.active_params_per_layer[i] for i in range(*stage.layers))
+    attn = 4 * spec.heads * spec.head_dim * kv_len * stage.n_layers
+    head = 2 * spec.vocab * spec.hidden if first else 0
+    return 2 * params * share.mlp + attn * share.q + head
+
+
+def _rank_time(spec, stage, share, node, first, batch, kv_len, kv_dtype_bytes):
+    """(memory seconds, compute seconds) of one decode step on one rank."""
+    nbytes = read_bytes(spec, stage, share, first, batch)
+    nbytes += kv_bytes(spec, stage, share, batch * kv_len, kv_dtype_bytes)
+    flops = batch * _flops(spec, stage, share, first, kv_len)
+    return nbytes / node.mem_bw_Bps, flops / node.flops
+
+
+def _prefill_time(spec, stage, share, node, first, tokens):
+    """(memory seconds, compute seconds) of a `tokens`-long prompt on one rank."""
+    nbytes = read_bytes(spec, stage, share, first, tokens)
+    flops = tokens * _flops(spec, stage, share, first, tokens / 2)
+    return nbytes / node.mem_bw_Bps, flops / node.flops
+
+
+def _slowest(links: list[LinkSpec], group: tuple[str, ...], nbytes: float) -> LinkSpec:
+    """The slowest of the best links between every pair of a TP group."""
+    pairs = [(a, b) for i, a in enumerate(group) for b in group[i + 1 :]]
+    best = [_fastest(links, (a,), (b,), nbytes) for a, b in pairs]
+    return max(best, key=lambda x: x.all_reduce_s(nbytes, len(group)))
+
+
+def _fastest(
+    links: list[LinkSpec], left: tuple[str, ...], right: tuple[str, ...], nbytes: float
+) -> LinkSpec:
+    """The quickest link for an nbytes message between any node of `left` and of `right`."""
+    found = [x for a in left for b in right for x in link_between(links, a, b)]
+    if not found:
+        raise ThunderpoolError(
+            f"no link between {', '.join(left)} and {', '.join(right)}; probe the links "
+            "(`thunderpool status`) or plan without one of these nodes"
+        )
+    return min(found, key=lambda x: x.hop_s(nbytes))

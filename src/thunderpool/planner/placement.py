@@ -1,0 +1,328 @@
+"""Placement: (ModelSpec, nodes, links, needs) -> Plans ranked by predicted decode speed.
+
+Pure functions. Candidates are every single node, TP over every fully linked subset, PP over
+node orderings, and hybrids (TP inside RDMA-joined groups, PP between them). A plan is kept
+only if every node's weights + KV cache + activations + OS reserve fit its available memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from thunderpool.errors import ShardingError, ThunderpoolError
+from thunderpool.parallel.tensor import proportional_split
+from thunderpool.planner.cost import (
+    LinkSpec,
+    NodeSpec,
+    Prediction,
+    Stage,
+    kv_bytes,
+    link_between,
+    predict,
+    shares,
+    weight_bytes,
+)
+from thunderpool.planner.spec import ModelSpec
+
+GiB = 2**30
+PREFILL_CHUNK = 2048  # mlx-lm's prefill step: the activation allowance covers one chunk
+MAX_ORDERINGS = 5000  # beyond this, PP tries one ordering per subset (most memory first)
+
+
+class PlacementError(ThunderpoolError):
+    """No plan fits the model on these nodes."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A ranked candidate: stages run in order; each stage is TP over its nodes."""
+
+    kind: str  # "single" | "tp" | "pp" | "hybrid"
+    stages: tuple[Stage, ...]
+    memory_used: dict[str, int]  # bytes per node, OS reserve included
+    memory_free: dict[str, int]  # available_bytes - memory_used, never negative
+    prediction: Prediction
+    reason: str
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(n for s in self.stages for n in s.nodes)
+
+    @property
+    def tp_weights(self) -> tuple[float, ...] | None:
+        return self.stages[0].tp_weights if self.kind == "tp" else None
+
+    @property
+    def layer_split(self) -> tuple[int, ...] | None:
+        return tuple(s.n_layers for s in self.stages) if len(self.stages) > 1 else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Needs:
+    context_tokens: int
+    concurrency: int
+    kv_dtype_bytes: float
+    prompt_tokens: int
+
+
+def place(
+    spec: ModelSpec,
+    nodes: list[NodeSpec],
+    links: list[LinkSpec],
+    context_tokens: int = 4096,
+    concurrency: int = 1,
+    kv_dtype_bytes: float = 2,
+    prompt_tokens: int | None = None,
+) -> list[Plan]:
+    """Every plan that fits, fastest predicted decode first; PlacementError if none does.
+
+    Speed is predicted for decode right after a `prompt_tokens` prompt (default: 512 or the
+    context, whichever is smaller); memory is reserved for the full context x concurrency.
+    """
+    if not nodes:
+        raise PlacementError("no nodes to place the model on; start `thunderpool node` on one")
+    if context_tokens < 1 or concurrency < 1:
+        raise PlacementError(
+            f"context_tokens={context_tokens} and concurrency={concurrency} must both be >= 1"
+        )
+    names = [n.name for n in nodes]
+    if len(set(names)) != len(names):
+        raise PlacementError(f"node names must be unique, got {names}")
+    needs = _Needs(
+        context_tokens, concurrency, kv_dtype_bytes, prompt_tokens or min(512, context_tokens)
+    )
+    by_name = {n.name: n for n in nodes}
+    plans = []
+    for kind, stages in _candidates(spec, nodes, links, needs):
+        plan = _plan(spec, kind, stages, by_name, links, needs)
+        if plan is not None:
+            plans.append(plan)
+    if not plans:
+        raise PlacementError(_refusal(spec, nodes, needs))
+    plans.sort(key=lambda p: (-p.prediction.decode_tps, -p.prediction.prefill_tps, len(p.nodes)))
+    return plans
+
+
+def explain(plans: list[Plan]) -> str:
+    """Why the first plan wins, against the best plan of each other kind."""
+    if not plans:
+        return "no plan fits"
+    best = plans[0]
+    lines = [f"winner: {best.reason}"]
+    seen = {best.kind}
+    for other in plans[1:]:
+        if other.kind in seen:
+            continue
+        seen.add(other.kind)
+        a, b = best.prediction, other.prediction
+        why = []
+        d_mem = (b.breakdown.memory_s + b.breakdown.compute_s) - (
+            a.breakdown.memory_s + a.breakdown.compute_s
+        )
+        d_coll = b.breakdown.collective_s - a.breakdown.collective_s
+        if d_mem > 5e-6:
+            why.append(f"{d_mem * 1e3:.2f} ms less memory/compute time per token")
+        if d_coll > 5e-6:
+            why.append(f"{d_coll * 1e3:.2f} ms less time on links per token")
+        if not why:
+            why.append("the same speed with fewer nodes" if a.decode_tps >= b.decode_tps else "")
+        lines.append(
+            f"beats {other.reason.split(':')[0]} ({b.decode_tps:.1f} vs "
+            f"{a.decode_tps:.1f} tok/s): {', '.join(w for w in why if w)}"
+        )
+    return "\n".join(lines)
+
+
+def memory_use(
+    spec: ModelSpec, stages: tuple[Stage, ...], by_name: dict[str, NodeSpec], needs: _Needs
+) -> dict[str, int]:
+    """Bytes each node needs: weights + KV (context x concurrency) + activations + OS reserve."""
+    used = {}
+    tokens = needs.context_tokens * needs.concurrency
+    chunk = min(PREFILL_CHUNK, needs.context_tokens)
+    for k, stage in enumerate(stages):
+        for share in shares(spec, stage):
+            node = by_name[share.node]
+            # Activations: a prefill chunk's hidden/MLP/attention tensors in fp32, plus logits.
+            act = chunk * 4 * (4 * spec.hidden + 2 * spec.intermediate * share.mlp)
+            act += needs.concurrency * spec.vocab * 4 if k == 0 else 0
+            total = weight_bytes(spec, stage, share, k == 0)
+            total += kv_bytes(spec, stage, share, tokens, needs.kv_dtype_bytes)
+            used[share.node] = int(total + act) + node.os_reserve_bytes
+    return used
+
+
+def _plan(spec, kind, stages, by_name, links, needs) -> Plan | None:
+    try:
+        used = memory_use(spec, stages, by_name, needs)
+    except ShardingError:
+        return None  # heads cannot be split over these weights
+    if any(used[n] > by_name[n].available_bytes for n in used):
+        return None
+    pred = predict(
+        spec,
+        stages,
+        by_name,
+        links,
+        prompt_tokens=needs.prompt_tokens,
+        concurrency=needs.concurrency,
+        kv_dtype_bytes=needs.kv_dtype_bytes,
+    )
+    free = {n: by_name[n].available_bytes - used[n] for n in used}
+    return Plan(kind, stages, used, free, pred, _reason(kind, stages, pred, links))
+
+
+def _candidates(spec, nodes, links, needs):
+    """(kind, stages) for every layout worth pricing; memory is checked by the caller."""
+    by_name = {n.name: n for n in nodes}
+    names = [n.name for n in nodes]
+    full = (0, spec.layers)
+    for n in names:
+        yield "single", (Stage((n,), full, (1.0,)),)
+    for size in range(2, len(names) + 1):
+        for group in itertools.combinations(names, size):
+            if _linked(links, group):
+                weights = tuple(by_name[n].mem_bw_Bps for n in group)
+                yield "tp", (Stage(group, full, weights),)
+    roomy = sorted(names, key=lambda n: -by_name[n].available_bytes)
+    for order in _orderings(roomy, spec.layers):
+        if all(
+            link_between(links, a, b) for a, b in zip(order, order[1:] + order[:1], strict=True)
+        ):
+            groups = [(n,) for n in order]
+            stages = _fit_layers(spec, groups, by_name, needs)
+            if stages is not None:
+                yield "pp", stages
+    groups = _rdma_groups(names, links)
+    if len(groups) > 1 and any(len(g) > 1 for g in groups):
+        for order in itertools.permutations(groups):
+            stages = _fit_layers(spec, list(order), by_name, needs)
+            if stages is not None:
+                yield "hybrid", stages
+
+
+def _fit_layers(spec, groups, by_name, needs) -> tuple[Stage, ...] | None:
+    """Stage sizes by memory bandwidth, then moved from full nodes to nodes with room."""
+    if len(groups) > spec.layers:
+        return None
+    tp = [tuple(by_name[n].mem_bw_Bps for n in g) for g in groups]
+    counts = [b - a for a, b in proportional_split(spec.layers, [sum(w) for w in tp])]
+    for _ in range(spec.layers * len(groups)):
+        stages, start = [], 0
+        for g, w, c in zip(groups, tp, counts, strict=True):
+            stages.append(Stage(tuple(g), (start, start + c), w))
+            start += c
+        stages = tuple(stages)
+        try:
+            used = memory_use(spec, stages, by_name, needs)
+        except ShardingError:
+            return None
+        over = [max(used[n] - by_name[n].available_bytes for n in g) for g in groups]
+        worst = max(range(len(groups)), key=over.__getitem__)
+        if over[worst] <= 0:
+            return stages
+        room = min((k for k in range(len(groups)) if k != worst), key=over.__getitem__)
+        if counts[worst] == 1 or over[room] >= 0:
+            return None
+        counts[worst] -= 1
+        counts[room] += 1
+    return None
+
+
+def _orderings(names: list[str], n_layers: int):
+    """Node orders for PP: all of them while few, else one per subset."""
+    sizes = range(2, min(len(names), n_layers) + 1)
+    total = sum(len(list(itertools.permutations(range(len(names)), k))) for k in sizes)
+    for k in sizes:
+        if total <= MAX_ORDERINGS:
+            yield from (list(p) for p in itertools.permutations(names, k))
+        else:
+            yield from (list(c) for c in itertools.combinations(names, k))
+
+
+def _linked(links: list[LinkSpec], group: tuple[str, ...]) -> bool:
+    return all(link_between(links, a, b) for a, b in itertools.combinations(group, 2))
+
+
+def _rdma_groups(names: list[str], links: list[LinkSpec]) -> list[tuple[str, ...]]:
+    """Connected components of the RDMA graph; a component that is not a full mesh is split."""
+    rdma = [x for x in links if x.kind == "rdma"]
+    groups, seen = [], set()
+    for n in names:
+        if n in seen:
+            continue
+        comp, todo = [], [n]
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            comp.append(m)
+            todo += [x.b if x.a == m else x.a for x in rdma if m in (x.a, x.b)]
+        comp = [m for m in names if m in comp]
+        if _linked(rdma, tuple(comp)):
+            groups.append(tuple(comp))
+        else:
+            groups += [(m,) for m in comp]
+    return groups
+
+
+def _reason(kind, stages, pred: Prediction, links) -> str:
+    b = pred.breakdown
+    who = " | ".join(",".join(s.nodes) for s in stages)
+    text = f"{kind} over {who}: {pred.decode_tps:.1f} tok/s decode"
+    text += f" ({b.memory_s * 1e3:.2f} ms memory, {b.compute_s * 1e3:.2f} ms compute"
+    if pred.collectives_per_token:
+        nodes = tuple(n for s in stages for n in s.nodes)
+        kinds = sorted({x.kind for x in _links_of(links, nodes)})
+        text += (
+            f", {pred.collectives_per_token} collectives per token cost "
+            f"{b.collective_s * 1e3:.2f} ms on {'/'.join(kinds) or 'links'}"
+        )
+    if len(stages) > 1:
+        text += f"; layers {'+'.join(str(s.n_layers) for s in stages)}"
+    if any(len(s.nodes) > 1 for s in stages):
+        shares_txt = ", ".join(
+            ":".join(f"{w / min(s.tp_weights):.2g}" for w in s.tp_weights)
+            for s in stages
+            if len(s.nodes) > 1
+        )
+        text += f"; TP weights {shares_txt}"
+    return text + ")"
+
+
+def _links_of(links, group):
+    return [x for a, b in itertools.combinations(group, 2) for x in link_between(links, a, b)]
+
+
+def _refusal(spec: ModelSpec, nodes: list[NodeSpec], needs: _Needs) -> str:
+    """How much memory is missing and what would make the model fit."""
+    gib = lambda x: f"{x / GiB:.1f} GiB"  # noqa: E731
+    kv_token = spec.kv_bytes_per_token(needs.kv_dtype_bytes)
+    kv = kv_token * needs.context_tokens * needs.concurrency
+    reserve = sum(n.os_reserve_bytes for n in nodes)
+    need = spec.total_bytes + kv + reserve
+    have = sum(n.available_bytes for n in nodes)
+    missing = need - have
+    fixes = []
+    room = have - spec.total_bytes - reserve
+    if room > 0 and kv_token:
+        fit = int(room / (kv_token * needs.concurrency)) // 256 * 256
+        if fit >= 256:
+            fixes.append(f"a context of at most {fit} tokens (--context {fit})")
+    q4 = spec.params * 0.5625  # 4-bit weights plus a 16-bit scale and bias per 64
+    if q4 < spec.total_bytes * 0.9:
+        fixes.append(f"a 4-bit quantized model (~{gib(q4)} of weights)")
+    if missing > 0:
+        fixes.append(f"one more node with at least {gib(missing)} free")
+        head = f"{gib(missing)} of memory is missing"
+    else:
+        fixes.append("a node with more free memory, or links between the nodes for TP/PP")
+        head = "the memory is there in total but no layout fits it on every node"
+    return (
+        f"{spec.model_type} does not fit: {head}. It needs {gib(need)} (weights "
+        f"{gib(spec.total_bytes)} + KV cache {gib(kv)} for {needs.context_tokens} tokens x "
+        f"{needs.concurrency} + OS reserve {gib(reserve)}, plus activations) and "
+        f"{len(nodes)} node(s) have {gib(have)} available. Use " + ", or ".join(fixes) + "."
+    )

@@ -1,0 +1,132 @@
+"""Placement: only plans that fit, ranked by predicted decode speed, refusals that say why."""
+
+import pytest
+
+from thunderpool.planner.cost import LinkSpec, NodeSpec
+from thunderpool.planner.placement import PlacementError, explain, place
+from thunderpool.planner.spec import model_spec_from_config
+
+GiB = 2**30
+
+# Llama-3-8B shapes at bf16: 8,030,261,248 parameters, ~15 GiB of weights.
+LLAMA_8B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture(scope="module")
+def spec():
+    s = model_spec_from_config(LLAMA_8B)
+    assert s.params == 8_030_261_248
+    return s
+
+
+def mac(name, avail_gib=48, bw=400e9):
+    return NodeSpec(name, 64 * GiB, avail_gib * GiB, bw, 30e12, 2 * GiB)
+
+
+def check_fits(plans, nodes):
+    avail = {n.name: n.available_bytes for n in nodes}
+    for plan in plans:
+        for name, used in plan.memory_used.items():
+            assert used <= avail[name]
+            assert plan.memory_free[name] == avail[name] - used >= 0
+
+
+def test_tp_wins_over_rdma(spec):
+    nodes = [mac("a"), mac("b")]
+    plans = place(spec, nodes, [LinkSpec("a", "b", 10e-6, 8e9, "rdma")])
+    check_fits(plans, nodes)
+    assert plans[0].kind == "tp" and plans[0].nodes == ("a", "b")
+    assert plans[0].prediction.collectives_per_token == 2 * 32
+    # Memory-bound decode nearly halves: each node reads half the layers.
+    single = next(p for p in plans if p.kind == "single")
+    assert plans[0].prediction.decode_tps > 1.6 * single.prediction.decode_tps
+    text = explain(plans)
+    assert text.startswith("winner: tp over a,b") and "64 collectives" in text and "rdma" in text
+
+
+def test_tp_loses_across_a_slow_link(spec):
+    nodes = [mac("a"), mac("b")]
+    plans = place(spec, nodes, [LinkSpec("a", "b", 5e-3, 1e9, "ethernet")])
+    check_fits(plans, nodes)
+    assert plans[0].kind in ("single", "pp")
+    assert plans[-1].kind == "tp"  # 64 all-reduces x 2 x 5 ms cost 640 ms per token
+    assert "ethernet" in plans[-1].reason
+
+
+def test_model_that_fits_only_on_two_nodes_is_split(spec):
+    nodes = [mac("a", avail_gib=12), mac("b", avail_gib=12)]
+    plans = place(spec, nodes, [LinkSpec("a", "b", 10e-6, 8e9, "rdma")])
+    check_fits(plans, nodes)
+    assert plans and {p.kind for p in plans} <= {"tp", "pp"}
+    assert all(len(p.nodes) == 2 for p in plans)
+
+
+def test_pp_moves_layers_off_a_node_that_is_full(spec):
+    # b is 3x faster, so by bandwidth it would take 24 of 32 layers; it only has room for fewer.
+    nodes = [mac("a", avail_gib=40, bw=100e9), mac("b", avail_gib=10, bw=300e9)]
+    plans = place(spec, nodes, [LinkSpec("a", "b", 1e-3, 1e9, "ethernet")])
+    check_fits(plans, nodes)
+    pp = [p for p in plans if p.kind == "pp" and p.nodes == ("a", "b")]
+    assert pp and sum(pp[0].layer_split) == 32 and pp[0].layer_split[1] < 24
+
+
+def test_uneven_tp_weights_follow_bandwidth(spec):
+    nodes = [mac("fast", bw=800e9), mac("slow", bw=400e9)]
+    plans = place(spec, nodes, [LinkSpec("fast", "slow", 10e-6, 8e9, "rdma")])
+    tp = next(p for p in plans if p.kind == "tp")
+    assert tp.tp_weights == (800e9, 400e9)
+    # 32 heads over 8 KV groups at 2:1 -> 5 and 3 KV groups: the fast node holds more weights.
+    assert tp.memory_used["fast"] > tp.memory_used["slow"]
+
+
+def test_refusal_states_missing_memory_and_fixes(spec):
+    nodes = [mac("a", avail_gib=10)]
+    with pytest.raises(PlacementError) as err:
+        place(spec, nodes, [])
+    text = str(err.value)
+    # weights 14.96 GiB + KV 0.5 GiB + reserve 2 GiB = 17.46 GiB against 10 GiB.
+    assert "7.5 GiB of memory is missing" in text
+    assert "4-bit quantized model" in text and "one more node with at least 7.5 GiB free" in text
+
+
+def test_refusal_suggests_a_shorter_context(spec):
+    nodes = [mac("a", avail_gib=20)]
+    with pytest.raises(PlacementError, match=r"a context of at most \d+ tokens"):
+        place(spec, nodes, [], context_tokens=131072)
+    plans = place(spec, nodes, [], context_tokens=8192)
+    assert [p.kind for p in plans] == ["single"]
+
+
+def test_kv_cache_grows_with_context_and_concurrency(spec):
+    nodes = [mac("a")]
+    base = place(spec, nodes, [], context_tokens=4096)[0].memory_used["a"]
+    more = place(spec, nodes, [], context_tokens=4096, concurrency=4)[0].memory_used["a"]
+    kv_token = 2 * 8 * 128 * 2 * 32  # K and V, 8 KV heads of 128, fp16, 32 layers
+    act_logits = 3 * 128256 * 4  # three more sequences' fp32 logits
+    assert more - base == 3 * 4096 * kv_token + act_logits
+
+
+def test_hybrid_tp_inside_rdma_groups_pp_between(spec):
+    nodes = [mac(n, avail_gib=9) for n in "abcd"]
+    links = [
+        LinkSpec("a", "b", 10e-6, 8e9, "rdma"),
+        LinkSpec("c", "d", 10e-6, 8e9, "rdma"),
+        LinkSpec("b", "c", 200e-6, 1e9, "ethernet"),
+        LinkSpec("a", "d", 200e-6, 1e9, "ethernet"),
+    ]
+    plans = place(spec, nodes, links)
+    check_fits(plans, nodes)
+    assert plans[0].kind == "hybrid"
+    assert [s.nodes for s in plans[0].stages] in (
+        [("a", "b"), ("c", "d")],
+        [("c", "d"), ("a", "b")],
+    )

@@ -1,0 +1,130 @@
+"""ModelSpec from configs and from safetensors headers: exact byte and parameter counts."""
+
+import json
+
+import pytest
+from conftest import TINY
+
+from thunderpool.errors import ModelError
+from thunderpool.planner.spec import model_spec, model_spec_from_config, read_safetensors_header
+
+SMOLLM2 = {
+    "model_type": "llama",
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+}
+
+
+def test_smollm2_parameter_count_and_kv_bytes():
+    spec = model_spec_from_config(SMOLLM2)
+    # Per layer: q,o 576*576 each, k,v 576*192 each, MLP 3*576*1536, two norms of 576.
+    layer = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576
+    assert layer == 3_540_096
+    assert spec.params == 30 * layer + 49152 * 576 + 576 == 134_515_008
+    assert spec.total_bytes == 2 * 134_515_008
+    assert spec.head_bytes == 0 and spec.embed_bytes == 2 * 49152 * 576
+    assert spec.kv_bytes_per_token_per_layer == 2 * 3 * 64 * 2 == 768
+    assert spec.head_dim == 64
+    assert spec.flops_per_token == 2 * 134_515_008
+
+
+def _header_bytes(path):
+    header = read_safetensors_header(path / "model.safetensors")
+    return sum(
+        v["data_offsets"][1] - v["data_offsets"][0]
+        for k, v in header.items()
+        if k != "__metadata__"
+    )
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
+def test_header_spec_matches_tensors_and_config_estimate(tiny_models, kind):
+    measured = model_spec(tiny_models[kind])
+    assert measured.total_bytes == _header_bytes(tiny_models[kind])
+    # The tiny checkpoints are float32: the config-only estimate must agree field by field.
+    assert model_spec_from_config(TINY[kind], dtype_bytes=4.0) == measured
+
+
+def test_sharded_checkpoint_reads_every_file_in_the_index(tiny_models, tmp_path):
+    import mlx.core as mx
+
+    weights = mx.load(str(tiny_models["llama"] / "model.safetensors"))
+    names = sorted(weights)
+    half = len(names) // 2
+    parts = {"model-00001-of-00002.safetensors": names[:half]}
+    parts["model-00002-of-00002.safetensors"] = names[half:]
+    weight_map = {}
+    for file, keys in parts.items():
+        mx.save_safetensors(str(tmp_path / file), {k: weights[k] for k in keys})
+        weight_map.update(dict.fromkeys(keys, file))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(json.dumps(TINY["llama"]))
+    assert model_spec(tmp_path) == model_spec(tiny_models["llama"])
+
+
+def test_quantized_checkpoint_matches_config_estimate(tiny_models, tmp_path):
+    from mlx_lm import convert
+
+    out = tmp_path / "q4"
+    convert(str(tiny_models["qwen3_moe"]), mlx_path=str(out), quantize=True, q_group_size=32)
+    config = json.loads((out / "config.json").read_text())
+    measured = model_spec(out)
+    # mlx-lm keeps the router at 8 bits: per-module overrides must be honoured.
+    assert config["quantization"]["model.layers.0.mlp.gate"]["bits"] == 8
+    assert model_spec_from_config(config, dtype_bytes=4.0) == measured
+    assert measured.total_bytes < model_spec(tiny_models["qwen3_moe"]).total_bytes / 2
+
+
+def test_moe_reads_only_active_experts():
+    spec = model_spec_from_config(TINY["qwen3_moe"], dtype_bytes=4.0)
+    expert = 3 * 64 * 48 * 4  # one expert's gate, up, down in fp32
+    assert spec.expert_bytes_per_layer == (4 * expert,) * 4
+    # 2 of 4 experts per token: half of the routed expert bytes are not read.
+    assert spec.active_bytes_per_token == spec.total_bytes - spec.embed_bytes - 4 * 2 * expert
+    assert spec.active_bytes_per_token < spec.total_bytes
+    assert spec.active_params < spec.params
+    # A batch of 3 touches 4 * (1 - (1/2)^3) = 3.5 experts on average.
+    assert spec.layer_read_bytes(0, batch=3) == spec.bytes_per_layer[0] - 0.5 * expert
+
+
+def test_deepseek_v3_mla_cache_and_active_parameters():
+    config = {
+        "model_type": "deepseek_v3",
+        "hidden_size": 7168,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "vocab_size": 129280,
+    }
+    spec = model_spec_from_config(config)
+    # The published sizes: 671B total (without the MTP layer), 37B active.
+    assert round(spec.params / 1e9) == 671
+    assert round(spec.active_params / 1e9) == 37
+    assert spec.kv_bytes_per_token_per_layer == (512 + 64) * 2
+    assert spec.expert_bytes_per_layer[:3] == (0, 0, 0)
+
+
+def test_unknown_model_type_is_named():
+    with pytest.raises(ModelError, match="'gpt_neox'"):
+        model_spec_from_config({**SMOLLM2, "model_type": "gpt_neox"})
+
+
+def test_missing_config_names_the_directory(tmp_path):
+    with pytest.raises(ModelError, match="no config.json"):
+        model_spec(tmp_path)
