@@ -1,0 +1,58 @@
+"""The contract between the HTTP API and the engine running on the leader rank.
+
+The API never touches MLX: it tokenizes with `tokenizer`, submits token ids, and reads
+`Delta`s. Closing the async iterator (a client that disconnected) cancels the request, which
+leaves the running batch at the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from thunderpool.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New text of one request. The last delta has `finish_reason` set ("stop" | "length" |
+    "error") and the token counts; `error` carries a message when finish_reason is "error"."""
+
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatus:
+    """What /health reports: `state` is "loading" | "ready" | "failed"."""
+
+    state: str
+    progress: float = 0.0  # 0..1 while loading
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    model: str  # the id served under /v1/models
+    max_context: int  # prompt + completion tokens the plan allows per request
+    created: int = 0
+    cluster: dict[str, Any] = field(default_factory=dict)  # nodes, links, placement
+
+
+class EngineClient(Protocol):
+    info: EngineInfo
+    tokenizer: Any  # mlx-lm TokenizerWrapper: encode, decode, apply_chat_template, eos ids
+
+    def status(self) -> EngineStatus: ...
+
+    def metrics(self) -> dict[str, float]:
+        """Counters and gauges: requests_total, tokens_generated_total, prompt_tokens_total,
+        ttft_seconds (last), decode_tokens_per_second (recent), queue_depth, active_requests,
+        and rank{N}_memory_bytes per rank."""
+        ...
+
+    def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Delta]: ...
