@@ -92,6 +92,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt tokens per prefill step (default 512)",
     )
 
+    srv = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible API and a dashboard backed "
+        "by N local ranks (continuous batching)",
+    )
+    _add_layout(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    srv.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 and /metrics")
+    srv.add_argument(
+        "--insecure", action="store_true", help="allow a non-loopback --host without --api-key"
+    )
+    srv.add_argument(
+        "--max-batch", type=_positive, default=8, help="requests decoded together (default 8)"
+    )
+    srv.add_argument(
+        "--max-context",
+        type=_positive,
+        help="prompt + completion tokens per request (default: the model's limit)",
+    )
+    srv.add_argument("--prefill-chunk", type=_positive, default=512)
+
     imp = sub.add_parser("import-gguf", help="turn a llama/qwen2 GGUF file into an MLX model dir")
     imp.add_argument("file", type=Path)
     imp.add_argument("--out", type=Path, help="output dir (default: next to the file)")
@@ -124,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
                 from thunderpool.commands import generate
 
                 return generate(args)
+            case "serve":
+                from thunderpool.commands import serve
+
+                return serve(args)
             case "import-gguf":
                 from thunderpool.commands import import_gguf
 

@@ -67,6 +67,65 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    import ipaddress
+
+    from thunderpool.cluster.launch import LocalInstance
+    from thunderpool.engine.job import RankJob, ServeTask
+    from thunderpool.engine.loader import Layout, preflight
+    from thunderpool.models.source import resolve_model
+
+    err = Console(stderr=True)
+    try:
+        loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        raise ThunderpoolError(
+            f"--host {args.host} is not an IP address; use e.g. 0.0.0.0"
+        ) from None
+    if not loopback and not args.api_key and not args.insecure:
+        raise ThunderpoolError(
+            f"--host {args.host} exposes the API beyond this machine; pass --api-key KEY "
+            "(or --insecure to serve without one)"
+        )
+    model_dir = resolve_model(args.model)
+    preflight(model_dir, args.nodes, Layout(args.parallel, args.tp_weights, args.layer_split))
+    task = ServeTask(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        model_name=model_dir.name,
+        max_batch=args.max_batch,
+        max_context=args.max_context,
+    )
+    job = RankJob(
+        model_dir=str(model_dir),
+        world_size=args.nodes,
+        parallel=args.parallel,
+        tp_weights=args.tp_weights,
+        layer_split=args.layer_split,
+        prefill_chunk=args.prefill_chunk,
+        task=task,
+    )
+    mode = args.parallel.upper() if args.nodes > 1 else "single rank"
+    with LocalInstance(job, timeout=None) as instance:
+        for ev in instance.events():
+            e = ev.event
+            match e["kind"]:
+                case "listening":
+                    err.print(
+                        f"API and dashboard at {e['url']} (loading {model_dir.name} on "
+                        f"{args.nodes} rank(s), {mode})"
+                    )
+                case "loaded":
+                    err.print(
+                        f"[dim]rank {ev.rank}: layers {e['layers'][0]}-{e['layers'][1] - 1}, "
+                        f"{_mib(e['param_bytes'])} of weights in {e['seconds']:.1f} s[/]"
+                    )
+                case "ready":
+                    err.print("ready: POST /v1/chat/completions; Ctrl-C stops every rank")
+    return 0
+
+
 def _print_summary(console: Console, done: dict, loaded: dict, peaks: dict) -> None:
     console.print(
         f"TTFT {done['ttft_s'] * 1000:.0f} ms | prefill {done['prefill_tps']:.1f} tok/s "

@@ -71,7 +71,7 @@ class LocalInstance:
         self,
         job: RankJob,
         *,
-        timeout: float = 600.0,
+        timeout: float | None = 600.0,
         pin: bool | None = None,
         env: dict[str, str] | None = None,
     ):
@@ -126,7 +126,9 @@ class LocalInstance:
     def events(self) -> Iterator[RankEvent]:
         """Yields each rank's events until all ranks exit 0; raises LaunchError otherwise."""
         open_streams = 2 * len(self.procs)
-        deadline = time.monotonic() + self.timeout
+        # A serving instance may rightly be silent for hours: timeout=None waits on exits only.
+        limit = self.timeout if self.timeout is not None else float("inf")
+        deadline = time.monotonic() + limit
         while open_streams or any(p.poll() is None for p in self.procs):
             self._check_exits()
             if time.monotonic() > deadline:
@@ -142,7 +144,7 @@ class LocalInstance:
             if line is None:
                 open_streams -= 1
                 continue
-            deadline = time.monotonic() + self.timeout
+            deadline = time.monotonic() + limit
             if name == "err":
                 self.stderr_tail[rank].append(line)
                 if self.env.get("THUNDERPOOL_ECHO_STDERR"):

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from thunderpool.engine.batch import BatchState
 from thunderpool.engine.control import Control
 from thunderpool.engine.runner import Runner
-from thunderpool.engine.sampling import SamplingParams, build_sampler
+from thunderpool.engine.sampling import Sampler, SamplingParams
 from thunderpool.engine.sequence import TextStream
 
 
@@ -66,9 +67,7 @@ class Leader:
         """Yields sampled tokens; closing the generator early ends the request."""
         if not prompt:
             raise ValueError("the prompt is empty; give at least one token")
-        if params.seed is not None:
-            mx.random.seed(params.seed)
-        sample = build_sampler(params)
+        sample = Sampler(params)
         self.stats = stats = GenerationStats(prompt_tokens=len(prompt))
         start = time.perf_counter()
         self.control.send({"op": "new"})
@@ -153,9 +152,10 @@ def all_sum_latency(group: mx.distributed.Group, shape: tuple[int, ...], repeats
 
 def follow(runner: Runner, control: Control) -> None:
     """Follower loop: execute the leader's commands until it says stop."""
-    cache = None
+    cache, batch = None, BatchState(runner)
     while True:
         command = control.receive()
+        out = None
         match command["op"]:
             case "stop":
                 return
@@ -163,9 +163,13 @@ def follow(runner: Runner, control: Control) -> None:
                 cache = runner.make_cache()
             case "fwd":
                 out = runner.forward(mx.array([command["t"]]), cache)
-                if out is not None:
-                    mx.eval(out)
+            case "pre":
+                out = batch.prefill(command["sid"], command["t"])
+            case "step":
+                out = batch.step(command["drop"], command["join"], command["t"])
             case "probe":
                 all_sum_latency(control.group, tuple(command["shape"]), command["n"])
             case op:
                 raise RuntimeError(f"unknown command {op!r} from the leader")
+        if out is not None:
+            mx.eval(out)

@@ -50,7 +50,19 @@ class BenchTask(_Frozen):
     repeats: int = Field(3, ge=1)
 
 
-Task = Annotated[GenerateTask | TraceTask | BenchTask, Field(discriminator="kind")]
+class ServeTask(_Frozen):
+    """Serve the OpenAI-compatible API from the leader rank, batching requests continuously."""
+
+    kind: Literal["serve"] = "serve"
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = None
+    model_name: str
+    max_batch: int = Field(8, ge=1)
+    max_context: int | None = Field(None, ge=2)
+
+
+Task = Annotated[GenerateTask | TraceTask | BenchTask | ServeTask, Field(discriminator="kind")]
 
 
 class RankJob(_Frozen):

@@ -12,6 +12,7 @@ import resource
 import struct
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,7 +105,10 @@ def build_lazy(model_dir: Path) -> tuple[nn.Module, dict]:
 
 
 def load_shard(
-    model_dir: Path, group: mx.distributed.Group, layout: Layout
+    model_dir: Path,
+    group: mx.distributed.Group,
+    layout: Layout,
+    progress: Callable[[float], None] | None = None,
 ) -> tuple[Runner, dict, LoadStats]:
     """Build, cut or shard, and load this rank's part of the model."""
     start = time.perf_counter()
@@ -118,8 +122,10 @@ def load_shard(
     elif group.size() > 1:
         method = tensor.shard(model, group, list(layout.tp_weights or []) or None)
     try:
-        for layer in model.layers:
+        for i, layer in enumerate(model.layers):
             mx.eval(layer.parameters())
+            if progress is not None:
+                progress((i + 1) / (len(model.layers) + 1))
         mx.eval(model.parameters())
         mx.clear_cache()  # return the freed full-size source tensors to the system
     except (RuntimeError, ValueError) as e:
@@ -144,3 +150,25 @@ def preflight(model_dir: Path, world_size: int, layout: Layout) -> dict:
     elif world_size > 1:
         tensor.check(model, world_size, list(layout.tp_weights or []) or None)
     return config
+
+
+def describe_layout(config: dict, layout: Layout, world: int) -> dict:
+    """Which layers and heads each rank holds, for the dashboard and /v1/cluster."""
+    n_layers = config["num_hidden_layers"]
+    if world == 1:
+        return {
+            "parallel": "single",
+            "ranks": [{"rank": 0, "layers": [0, n_layers], "heads": None}],
+        }
+    if layout.parallel == "pp":
+        bounds = split_layers(n_layers, world, list(layout.layer_split or []) or None)
+        ranks = [{"rank": r, "layers": list(b), "heads": None} for r, b in enumerate(bounds)]
+        return {"parallel": "pp", "ranks": ranks}
+    heads = config.get("num_attention_heads", 0)
+    kv = config.get("num_key_value_heads") or heads
+    shares = tensor.split_heads(heads, kv, list(layout.tp_weights or [1.0] * world))
+    ranks = [
+        {"rank": r, "layers": [0, n_layers], "heads": {"q": [s.q0, s.q1], "kv": [s.kv0, s.kv1]}}
+        for r, s in enumerate(shares)
+    ]
+    return {"parallel": "tp", "ranks": ranks}

@@ -24,6 +24,7 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    tokens: tuple[int, ...] = ()  # the token ids behind this delta
 
 
 @dataclass(frozen=True, slots=True)

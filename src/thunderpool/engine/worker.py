@@ -17,7 +17,7 @@ import numpy as np
 
 from thunderpool.engine.control import Control
 from thunderpool.engine.engine import Leader, follow
-from thunderpool.engine.job import BenchTask, GenerateTask, RankJob, TraceTask
+from thunderpool.engine.job import BenchTask, GenerateTask, RankJob, ServeTask, TraceTask
 from thunderpool.engine.loader import Layout, load_shard, peak_rss_bytes
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.errors import ThunderpoolError
@@ -37,6 +37,10 @@ def run(job: RankJob) -> None:
     if group.size() != job.world_size:
         raise ThunderpoolError(f"MLX formed a group of {group.size()}, expected {job.world_size}")
     layout = Layout(job.parallel, job.tp_weights, job.layer_split)
+    if isinstance(job.task, ServeTask):
+        from thunderpool.engine.serve import serve
+
+        return serve(job, job.task, group, layout, emit)
     runner, config, stats = load_shard(Path(job.model_dir), group, layout)
     emit(
         "loaded",

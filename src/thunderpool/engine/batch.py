@@ -1,0 +1,58 @@
+"""The KV caches of one rank under continuous batching, changed only by the leader's commands.
+
+Every rank applies the same `prefill` and `step` commands in the same order, so the batch rows
+line up on every rank without ever shipping a cache. Prefill runs per sequence (B=1); the
+finished prefix cache then joins the decoding batch, which is left-padded (mlx-lm BatchKVCache).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from thunderpool.engine.runner import Runner
+
+
+class BatchState:
+    def __init__(self, runner: Runner):
+        self.runner = runner
+        self.pending: dict[int, list] = {}  # sequence id -> per-layer caches being prefilled
+        self.batch: list | None = None  # per-layer batch caches of the decoding rows
+        self.rows: list[int] = []  # sequence id of each batch row
+
+    def prefill(self, sid: int, tokens: list[int]) -> mx.array | None:
+        cache = self.pending.setdefault(sid, self.runner.make_cache())
+        return self.runner.forward(mx.array([tokens]), cache)
+
+    def step(self, drop: list[int], join: list[int], tokens: list[int]) -> mx.array | None:
+        """Drop finished rows, join prefilled sequences, then decode one token for every row."""
+        self._drop(set(drop))
+        for sid in join:
+            self._join(sid)
+        if not tokens:
+            return None
+        if len(tokens) != len(self.rows):
+            raise RuntimeError(f"{len(tokens)} tokens for {len(self.rows)} batch rows")
+        return self.runner.forward(mx.array(tokens)[:, None], self.batch)
+
+    def _drop(self, drop: set[int]) -> None:
+        for sid in drop:
+            self.pending.pop(sid, None)
+        keep = [i for i, sid in enumerate(self.rows) if sid not in drop]
+        if len(keep) == len(self.rows):
+            return
+        if not keep:
+            self.batch, self.rows = None, []
+            return
+        index = mx.array(keep)
+        for cache in self.batch:
+            cache.filter(index)
+        self.rows = [self.rows[i] for i in keep]
+
+    def _join(self, sid: int) -> None:
+        merged = [c.merge([c]) for c in self.pending.pop(sid)]
+        if self.batch is None:
+            self.batch = merged
+        else:
+            for cache, new in zip(self.batch, merged, strict=True):
+                cache.extend(new)
+        self.rows.append(sid)
