@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--prefill-chunk", type=_positive, default=512)
 
+    from thunderpool.chat import add_chat_parser
+
+    add_chat_parser(sub)
+
     imp = sub.add_parser("import-gguf", help="turn a llama/qwen2 GGUF file into an MLX model dir")
     imp.add_argument("file", type=Path)
     imp.add_argument("--out", type=Path, help="output dir (default: next to the file)")
@@ -135,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-tokens", type=_positive, default=64)
     bench.add_argument("--repeats", type=_positive, default=3)
     bench.add_argument("--json", type=Path, help="write all results as JSON here")
+    bench.add_argument(
+        "--concurrency",
+        type=_ints,
+        help="also measure continuous batching at these stream counts, e.g. 1,4,8",
+    )
     return parser
 
 
@@ -150,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
                 from thunderpool.commands import serve
 
                 return serve(args)
+            case "chat":
+                from thunderpool.chat import chat_main
+
+                return chat_main(args)
             case "import-gguf":
                 from thunderpool.commands import import_gguf
 

@@ -187,5 +187,6 @@ def bench(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         json_out=args.json,
         console=Console(),
+        concurrency=args.concurrency or (),
     )
     return 0

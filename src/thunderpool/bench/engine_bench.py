@@ -118,6 +118,12 @@ def bench_leader(leader: Leader, task: BenchTask, group: mx.distributed.Group, e
         "identical_runs": all(r.tokens == runs[0].tokens for r in runs),
         **collective_cost(leader, size, hidden, runs),
     }
+    if task.concurrency:
+        from thunderpool.bench.batching import bench_concurrency
+
+        result["batching"] = bench_concurrency(
+            leader, task.concurrency, task.prompt_tokens, task.max_tokens, vocab
+        )
     emit("bench", **result)
 
 
@@ -214,6 +220,7 @@ def bench_parallel(
     repeats: int,
     timeout: float = 600.0,
     pin: bool | None = None,
+    concurrency: tuple[int, ...] = (),
 ) -> dict:
     """Run a BenchTask on `nodes` local ranks; the leader's results plus per-rank memory.
 
@@ -221,7 +228,12 @@ def bench_parallel(
     """
     from thunderpool.cluster.launch import LocalInstance
 
-    task = BenchTask(prompt_tokens=prompt_tokens, max_tokens=max_tokens, repeats=repeats)
+    task = BenchTask(
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        repeats=repeats,
+        concurrency=concurrency,
+    )
     job = RankJob(model_dir=str(model_dir), world_size=nodes, parallel=parallel, task=task)
     bench: dict | None = None
     ranks: dict[int, dict] = {r: {"rank": r} for r in range(nodes)}
@@ -259,6 +271,7 @@ def run_bench(
     modes: tuple[str, ...] = ("tp", "pp"),
     json_out: Path | None = None,
     console=None,
+    concurrency: tuple[int, ...] = (),
 ) -> dict:
     """One rank against mlx-lm, then each parallel mode at `nodes` ranks; prints a table."""
     from rich.console import Console
@@ -278,6 +291,10 @@ def run_bench(
                 parallel[mode] = {"error": str(e)}
     results = {"model": str(model_dir), "nodes": nodes, "single": single, "parallel": parallel}
     console.print(render_table(results))
+    if concurrency:
+        results["batching"] = bench_batching(
+            model_dir, nodes, modes, prompt_tokens, max_tokens, concurrency, console
+        )
     console.print(
         f"engine/mlx-lm decode ratio: {single['decode_ratio']:.2f} (goal >= 0.95), "
         f"prefill ratio: {single['prefill_ratio']:.2f}, "
@@ -342,3 +359,43 @@ def _cell(s: dict) -> str:
 
 def _num(v: float) -> str:
     return f"{v:.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def bench_batching(
+    model_dir: Path,
+    nodes: int,
+    modes: tuple[str, ...],
+    prompt_tokens: int,
+    max_tokens: int,
+    concurrency: tuple[int, ...],
+    console,
+) -> dict:
+    """Continuous batching: aggregate decode tok/s at each concurrency, per layout."""
+    from rich.table import Table
+
+    layouts = [("single", 1)] + [(m, nodes) for m in modes]
+    out: dict[str, list] = {}
+    for mode, n in layouts:
+        with console.status(f"batching: {mode} at {concurrency}"):
+            res = bench_parallel(
+                model_dir,
+                n,
+                "tp" if mode == "single" else mode,
+                prompt_tokens,
+                max_tokens,
+                1,
+                concurrency=concurrency,
+            )
+        out[mode] = res.get("batching", [])
+    table = Table(
+        "layout",
+        *[f"{c} streams" for c in concurrency],
+        title="continuous batching: decode tok/s, all streams together (aggregate)",
+    )
+    for mode, rows in out.items():
+        table.add_row(
+            mode.upper() if mode != "single" else "1 rank",
+            *[f"{r['decode_tps']:.1f} ({r['aggregate_tps']:.1f})" for r in rows],
+        )
+    console.print(table)
+    return out

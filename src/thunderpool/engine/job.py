@@ -48,6 +48,7 @@ class BenchTask(_Frozen):
     prompt_tokens: int = Field(128, ge=1)
     max_tokens: int = Field(64, ge=2)
     repeats: int = Field(3, ge=1)
+    concurrency: tuple[int, ...] = ()  # also measure continuous batching at these levels
 
 
 class ServeTask(_Frozen):

@@ -1,0 +1,324 @@
+// thunderpool dashboard: polls /health, /v1/cluster and /metrics once a second and renders them.
+// Plain DOM code with no dependencies; every field of the API's JSON is treated as optional.
+"use strict";
+
+const POLL_MS = 1000;
+const SPARK_POINTS = 60;
+// One color per rank, shared by node cards and the placement view so they can be matched by eye.
+const RANK_COLORS = ["#4f8cff", "#f59e0b", "#10b981", "#ef4444", "#a855f7", "#06b6d4",
+  "#ec4899", "#84cc16"];
+
+const byId = (id) => document.getElementById(id);
+const tokHistory = [];
+let lastClusterKey = "";
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs)) {
+    if (value === undefined || value === null) continue;
+    if (key === "class") node.className = value;
+    else if (key === "style") {
+      // setProperty, not assignment: custom properties like --rank-color need it.
+      for (const [prop, v] of Object.entries(value)) node.style.setProperty(prop, v);
+    }
+    else if (key.startsWith("data-")) node.setAttribute(key, String(value));
+    else node[key] = value;
+  }
+  for (const child of children) {
+    if (child === null || child === undefined || child === false) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+const isNum = (x) => typeof x === "number" && Number.isFinite(x);
+const rankColor = (rank) => RANK_COLORS[(isNum(rank) ? rank : 0) % RANK_COLORS.length];
+
+function fmtBytes(n) {
+  if (!isNum(n)) return "—";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (Math.abs(n) >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+  return `${n.toFixed(i === 0 || n >= 100 ? 0 : 1)} ${units[i]}`;
+}
+
+function fmtNum(n, digits = 1) {
+  if (!isNum(n)) return "—";
+  return n.toLocaleString("en-US", { maximumFractionDigits: digits });
+}
+
+function fmtLatency(ms) {
+  if (!isNum(ms)) return "—";
+  return ms < 1 ? `${(ms * 1000).toFixed(0)} µs` : `${ms.toFixed(ms < 10 ? 2 : 1)} ms`;
+}
+
+// Prometheus text exposition -> {name: [{labels, value}]}; skips comments and malformed lines.
+function parseMetrics(text) {
+  const out = {};
+  const line = /^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+(\S+)/;
+  for (const raw of text.split("\n")) {
+    const s = raw.trim();
+    if (!s || s.startsWith("#")) continue;
+    const m = line.exec(s);
+    if (!m) continue;
+    const labels = {};
+    for (const pair of (m[3] || "").matchAll(/([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"/g)) {
+      labels[pair[1]] = pair[2];
+    }
+    const value = Number(m[4]);
+    if (Number.isNaN(value)) continue;
+    (out[m[1]] ||= []).push({ labels, value });
+  }
+  return out;
+}
+
+// The single value of a metric without labels (or the sum over its series), or null.
+function metricValue(metrics, name) {
+  const series = metrics[name];
+  if (!series || !series.length) return null;
+  return series.reduce((sum, s) => sum + s.value, 0);
+}
+
+function renderHealth(res, body) {
+  const state = byId("cluster-state");
+  const loading = byId("loading");
+  if (!res) {
+    state.textContent = "unreachable";
+    state.dataset.state = "down";
+    loading.hidden = true;
+    return;
+  }
+  const status = (body && body.status) || (res.ok ? "ok" : `http ${res.status}`);
+  if (status === "loading") {
+    const p = isNum(body.progress) ? Math.max(0, Math.min(1, body.progress)) : 0;
+    state.textContent = `loading ${Math.round(p * 100)}%`;
+    state.dataset.state = "loading";
+    loading.hidden = false;
+    byId("loading-bar").style.width = `${p * 100}%`;
+    byId("loading-text").textContent = `loading model… ${Math.round(p * 100)}%`;
+  } else {
+    state.textContent = status === "ok" ? "ready" : status;
+    state.dataset.state = status === "ok" ? "ready" : "down";
+    loading.hidden = true;
+  }
+}
+
+function memoryBar(node) {
+  const total = node.memory_total_bytes;
+  const bar = el("div", { class: "membar", title: "params | other used | free" });
+  if (!isNum(total) || total <= 0) return bar;
+  const pct = (x) => `${Math.max(0, Math.min(100, (x / total) * 100))}%`;
+  const params = isNum(node.param_bytes) ? node.param_bytes : 0;
+  const used = isNum(node.memory_used_bytes) ? Math.max(node.memory_used_bytes, params) : params;
+  bar.append(el("div", { class: "seg params", style: { width: pct(params) } }));
+  bar.append(el("div", { class: "seg used", style: { width: pct(used - params) } }));
+  if (isNum(node.peak_rss_bytes)) {
+    const style = { left: pct(node.peak_rss_bytes) };
+    bar.append(el("div", { class: "peak", title: "peak RSS", style }));
+  }
+  return bar;
+}
+
+function nodeCard(node, rankMemory) {
+  const rank = node.rank;
+  const live = isNum(rank) ? rankMemory[String(rank)] : undefined;
+  const bw = node.speed ? node.speed.mem_bw_gbps : null;
+  const speed = isNum(bw) ? `${fmtNum(bw, 0)} GB/s` : "—";
+  const row = (label, value) =>
+    el("div", { class: "kv" }, el("span", { class: "label" }, label), el("span", {}, value));
+  return el("div", {
+    class: "node-card",
+    "data-name": node.name ?? "",
+    "data-rank": isNum(rank) ? rank : "",
+    style: { "--rank-color": rankColor(rank) },
+  },
+  el("div", { class: "card-head" },
+    el("span", { class: "swatch" }),
+    el("span", { class: "node-name" }, node.name ?? "(unnamed)"),
+    isNum(rank) ? el("span", { class: "badge" }, `rank ${rank}`) : null),
+  node.host ? el("div", { class: "host muted" }, node.host) : null,
+  memoryBar(node),
+  el("div", { class: "membar-caption muted" },
+    `${fmtBytes(node.memory_used_bytes)} used of ${fmtBytes(node.memory_total_bytes)}`),
+  row("params", fmtBytes(node.param_bytes)),
+  row("peak RSS", fmtBytes(node.peak_rss_bytes)),
+  isNum(live) ? row("rank memory (live)", fmtBytes(live)) : null,
+  row("memory bandwidth", speed));
+}
+
+function renderNodes(nodes, rankMemory) {
+  const box = byId("nodes");
+  box.replaceChildren(...nodes.map((n) => nodeCard(n, rankMemory)));
+  if (!nodes.length) box.append(el("p", { class: "muted" }, "no nodes yet"));
+}
+
+const isRange = (r) => Array.isArray(r) && r.length === 2 && isNum(r[0]) && isNum(r[1]);
+
+// A track with one segment covering [start, end) of `total`; ranges are half-open like Python's.
+function rangeTrack(kind, range, total, color, text) {
+  const track = el("div", { class: `track ${kind}` });
+  if (isRange(range) && total > 0) {
+    track.append(el("div", {
+      class: "seg",
+      style: {
+        left: `${(range[0] / total) * 100}%`,
+        width: `${(Math.max(0, range[1] - range[0]) / total) * 100}%`,
+        background: color,
+      },
+    }, text));
+  }
+  return track;
+}
+
+function span(range, unit) {
+  if (!isRange(range)) return "—";
+  const n = range[1] - range[0];
+  return n === 1 ? `${unit} ${range[0]}` : `${unit}s ${range[0]}–${range[1] - 1} (${n})`;
+}
+
+function renderPlacement(placement, nodes) {
+  const box = byId("placement");
+  const ranks = [...((placement && placement.ranks) || [])]
+    .sort((a, b) => (a.rank ?? 0) - (b.rank ?? 0));
+  const parallel = (placement && placement.parallel) || "";
+  box.dataset.parallel = parallel;
+  byId("parallel-mode").textContent = parallel ? parallel.toUpperCase() : "";
+  if (!ranks.length) {
+    box.replaceChildren(el("p", { class: "muted" }, "no placement yet"));
+    return;
+  }
+  const nodeOf = {};
+  for (const n of nodes) if (isNum(n.rank)) nodeOf[n.rank] = n.name;
+  const maxEnd = (key) => Math.max(0, ...ranks.map((r) => (isRange(key(r)) ? key(r)[1] : 0)));
+  const nLayers = maxEnd((r) => r.layers);
+  const nQ = maxEnd((r) => r.heads && r.heads.q);
+  const nKv = maxEnd((r) => r.heads && r.heads.kv);
+
+  const rows = ranks.map((r) => {
+    const color = rankColor(r.rank);
+    const heads = r.heads || null;
+    return el("div", { class: "prow", "data-rank": r.rank ?? "", style: { "--rank-color": color } },
+      el("div", { class: "plabel" },
+        el("span", { class: "swatch" }),
+        `rank ${r.rank ?? "?"}`,
+        el("span", { class: "muted" }, nodeOf[r.rank] ? ` · ${nodeOf[r.rank]}` : "")),
+      el("div", { class: "ptracks" },
+        rangeTrack("layers", r.layers, nLayers, color, span(r.layers, "layer")),
+        heads && nQ ? rangeTrack("heads", heads.q, nQ, color, `q ${span(heads.q, "head")}`) : null,
+        heads && nKv
+          ? rangeTrack("heads", heads.kv, nKv, color, `kv ${span(heads.kv, "head")}`)
+          : null));
+  });
+  const axis = el("div", { class: "prow axis" }, el("div", { class: "plabel" }),
+    el("div", { class: "ptracks muted" },
+      el("span", {}, "layer 0"), el("span", {}, `${nLayers} layers`)));
+  const legend = nQ ? el("p", { class: "muted small" },
+    `${nQ} query heads and ${nKv} KV heads split across ${ranks.length} ranks`) : null;
+  box.replaceChildren(...rows, axis, legend ?? "");
+}
+
+function renderLinks(links) {
+  const body = document.querySelector("#links tbody");
+  body.replaceChildren(...links.map((l) => {
+    const kind = l.kind || "unknown";
+    return el("tr", { "data-kind": kind },
+      el("td", {}, `${l.a ?? "?"} ↔ ${l.b ?? "?"}`),
+      el("td", {}, el("span", { class: `kind kind-${kind}` }, kind === "rdma" ? "RDMA" : kind)),
+      el("td", { class: "num" }, fmtLatency(l.latency_ms)),
+      el("td", { class: "num" },
+        isNum(l.bandwidth_gbps) ? `${fmtNum(l.bandwidth_gbps, 1)} GB/s` : "—"));
+  }));
+  byId("links").hidden = !links.length;
+  byId("links-empty").hidden = links.length > 0;
+}
+
+function renderCluster(cluster, rankMemory) {
+  // Rebuild only on change, so hover titles and text selection survive the 1 s poll.
+  const key = JSON.stringify([cluster, rankMemory]);
+  if (key === lastClusterKey) return;
+  lastClusterKey = key;
+  const nodes = Array.isArray(cluster.nodes) ? cluster.nodes : [];
+  const model = cluster.model || "—";
+  byId("model-name").textContent = model;
+  document.title = cluster.model ? `${cluster.model} · thunderpool` : "thunderpool";
+  byId("node-count").textContent = String(nodes.length);
+  byId("node-count").dataset.count = String(nodes.length);
+  renderNodes(nodes, rankMemory);
+  renderPlacement(cluster.placement, nodes);
+  renderLinks(Array.isArray(cluster.links) ? cluster.links : []);
+}
+
+function renderSparkline() {
+  const line = document.querySelector("#sparkline polyline");
+  const area = document.querySelector("#sparkline polygon");
+  if (tokHistory.length < 2) {
+    line.setAttribute("points", "");
+    area.setAttribute("points", "");
+    return;
+  }
+  // Headroom above the peak keeps a steady rate from hugging the top edge.
+  const top = Math.max(1, ...tokHistory) * 1.25;
+  const step = 240 / (SPARK_POINTS - 1);
+  const offset = SPARK_POINTS - tokHistory.length;
+  const xy = tokHistory.map((v, i) => [(offset + i) * step, 47 - (v / top) * 45]);
+  const points = xy.map(([x, y]) => `${x.toFixed(1)},${y.toFixed(1)}`).join(" ");
+  line.setAttribute("points", points);
+  area.setAttribute("points", `${xy[0][0].toFixed(1)},47 ${points} 240,47`);
+}
+
+function renderMetrics(metrics) {
+  const tok = metricValue(metrics, "thunderpool_decode_tokens_per_second");
+  byId("tok-s").textContent = fmtNum(tok, 1);
+  const counts = {
+    "queue-depth": "thunderpool_queue_depth",
+    "active-requests": "thunderpool_active_requests",
+    "requests-total": "thunderpool_requests_total",
+    "tokens-total": "thunderpool_tokens_generated_total",
+  };
+  for (const [id, name] of Object.entries(counts)) {
+    byId(id).textContent = fmtNum(metricValue(metrics, name), 0);
+  }
+  if (isNum(tok)) {
+    tokHistory.push(tok);
+    if (tokHistory.length > SPARK_POINTS) tokHistory.shift();
+  }
+  renderSparkline();
+}
+
+function rankMemoryOf(metrics) {
+  const out = {};
+  for (const s of metrics.thunderpool_rank_memory_bytes || []) {
+    if (s.labels.rank !== undefined) out[s.labels.rank] = s.value;
+  }
+  return out;
+}
+
+async function fetchJson(path) {
+  const res = await fetch(path, { cache: "no-store" });
+  let body = null;
+  try { body = await res.json(); } catch { body = null; }
+  return { res, body };
+}
+
+async function poll() {
+  const [health, cluster, metrics] = await Promise.allSettled([
+    fetchJson("/health"),
+    fetchJson("/v1/cluster"),
+    fetch("/metrics", { cache: "no-store" }).then((r) => (r.ok ? r.text() : "")),
+  ]);
+  if (health.status === "fulfilled") renderHealth(health.value.res, health.value.body);
+  else renderHealth(null, null);
+  const parsed = metrics.status === "fulfilled" ? parseMetrics(metrics.value) : {};
+  renderMetrics(parsed);
+  if (cluster.status === "fulfilled" && cluster.value.res.ok && cluster.value.body) {
+    renderCluster(cluster.value.body, rankMemoryOf(parsed));
+  }
+  byId("status-line").textContent = `updated ${new Date().toLocaleTimeString()}`;
+}
+
+async function loop() {
+  try { await poll(); } catch (err) { byId("status-line").textContent = `error: ${err}`; }
+  setTimeout(loop, POLL_MS);  // not setInterval: a slow server never gets overlapping polls
+}
+
+loop();

@@ -1,0 +1,205 @@
+"""The dashboard in headless Chromium against a fake API: rendered DOM and a screenshot."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from html import unescape
+from pathlib import Path
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from thunderpool.api.dashboard import mount_dashboard
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+GIB = 1024**3
+
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(),
+    reason="needs Debian's headless browser: apt-get install -y chromium",
+)
+
+CLUSTER = {
+    "model": "tiny-model",
+    "nodes": [
+        {
+            "name": f"node-{i}",
+            "rank": i,
+            "host": f"10.0.0.{i + 1}",
+            "memory_total_bytes": total * GIB,
+            "memory_used_bytes": used * GIB,
+            "param_bytes": params * GIB,
+            "peak_rss_bytes": peak * GIB,
+            "speed": {"mem_bw_gbps": bw},
+        }
+        for i, (total, used, params, peak, bw) in enumerate(
+            [(128, 61, 48, 58, 546.0), (64, 30, 24, 29, 273.0), (64, 29, 24, 28, None)]
+        )
+    ],
+    "links": [
+        {"a": "node-0", "b": "node-1", "latency_ms": 0.05, "bandwidth_gbps": 7.5, "kind": "rdma"},
+        {
+            "a": "node-0",
+            "b": "node-2",
+            "latency_ms": 0.9,
+            "bandwidth_gbps": 4.1,
+            "kind": "thunderbolt",
+        },
+        {
+            "a": "node-1",
+            "b": "node-2",
+            "latency_ms": 2.3,
+            "bandwidth_gbps": 0.1,
+            "kind": "ethernet",
+        },
+    ],
+    "placement": {
+        "parallel": "tp",
+        "ranks": [
+            {"rank": 0, "layers": [0, 30], "heads": {"q": [0, 5], "kv": [0, 2]}},
+            {"rank": 1, "layers": [0, 30], "heads": {"q": [5, 7], "kv": [2, 3]}},
+            {"rank": 2, "layers": [0, 30], "heads": {"q": [7, 9], "kv": [2, 3]}},
+        ],
+    },
+}
+
+METRICS = """\
+# HELP thunderpool_decode_tokens_per_second Aggregate decode throughput.
+# TYPE thunderpool_decode_tokens_per_second gauge
+thunderpool_decode_tokens_per_second 42.5
+thunderpool_queue_depth 2
+thunderpool_active_requests 3
+thunderpool_requests_total 17
+thunderpool_tokens_generated_total 5120
+thunderpool_rank_memory_bytes{rank="0"} 5.1e10
+thunderpool_rank_memory_bytes{rank="1"} 2.6e10
+thunderpool_rank_memory_bytes{rank="2"} 2.6e10
+"""
+
+
+class FakeApi:
+    """Serves the three documents the dashboard polls, plus the dashboard itself."""
+
+    def __init__(self) -> None:
+        self.loading: float | None = None  # a progress in [0, 1] while the model loads
+        self.app = FastAPI()
+        self.app.get("/v1/cluster")(self.cluster)
+        self.app.get("/metrics")(self.metrics)
+        self.app.get("/health")(self.health)
+        mount_dashboard(self.app)
+
+    async def cluster(self) -> dict:
+        return CLUSTER
+
+    async def metrics(self) -> PlainTextResponse:
+        return PlainTextResponse(METRICS)
+
+    async def health(self) -> JSONResponse:
+        if self.loading is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "loading", "progress": self.loading}, status_code=503)
+
+
+@pytest.fixture(scope="module")
+def api() -> Iterator[tuple[FakeApi, str]]:
+    fake = FakeApi()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(fake.app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "fake API did not start"
+        time.sleep(0.02)
+    yield fake, f"http://127.0.0.1:{port}/"
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+def chromium(tmp_path: Path, *args: str) -> str:
+    """Run headless Chromium once with a throwaway profile; returns its stdout."""
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        # Virtual time runs the 1 s polls several times without waiting for them in real time.
+        "--virtual-time-budget=5000",
+    ]
+    done = subprocess.run(
+        [str(CHROMIUM), *flags, *args], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def text_of(dom: str, element_id: str) -> str:
+    """The text inside the element with this id (elements with text children only)."""
+    match = re.search(rf'id="{element_id}"[^>]*>([^<]*)<', dom)
+    assert match, f"#{element_id} not in the rendered DOM"
+    return unescape(match.group(1)).strip()
+
+
+def test_dashboard_renders_cluster_and_metrics(api, tmp_path):
+    fake, url = api
+    fake.loading = None
+    dom = chromium(tmp_path, "--dump-dom", url)
+
+    assert text_of(dom, "model-name") == "tiny-model"
+    assert text_of(dom, "node-count") == "3"
+    assert 'data-count="3"' in dom
+    cards = re.findall(r'class="node-card" data-name="([^"]*)" data-rank="(\d+)"', dom)
+    assert cards == [("node-0", "0"), ("node-1", "1"), ("node-2", "2")]
+    assert text_of(dom, "cluster-state") == "ready"
+    assert text_of(dom, "tok-s") == "42.5"
+    assert text_of(dom, "queue-depth") == "2"
+    assert text_of(dom, "active-requests") == "3"
+    assert text_of(dom, "tokens-total") == "5,120"
+
+    placement = dom[dom.index('id="placement"') : dom.index('id="links"')]
+    assert 'data-parallel="tp"' in placement
+    assert re.findall(r'class="prow" data-rank="(\d+)"', placement) == ["0", "1", "2"]
+    assert "q heads 0–4 (5)" in placement and "kv head 2" in placement
+    assert re.findall(r'<tr data-kind="(\w+)">', dom) == ["rdma", "thunderbolt", "ethernet"]
+    assert ">RDMA<" in dom
+
+
+def test_dashboard_shows_load_progress(api, tmp_path):
+    fake, url = api
+    fake.loading = 0.4
+    try:
+        dom = chromium(tmp_path, "--dump-dom", url)
+    finally:
+        fake.loading = None
+    assert text_of(dom, "cluster-state") == "loading 40%"
+    assert re.search(r'id="loading-bar" style="width: 40%;"', dom)
+    assert '<div id="loading">' in dom  # the hidden attribute is gone while loading
+
+
+def test_dashboard_screenshot(api, tmp_path):
+    fake, url = api
+    fake.loading = None
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "dashboard.png"
+    shot.unlink(missing_ok=True)
+    chromium(tmp_path, f"--screenshot={shot}", "--window-size=1280,900", url)
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 30_000, f"{shot} is only {len(data)} bytes: the page looks blank"
