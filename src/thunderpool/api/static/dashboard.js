@@ -293,8 +293,12 @@ function rankMemoryOf(metrics) {
   return out;
 }
 
+// A server started with --api-key needs it on /v1 and /metrics: open the page as /?key=KEY.
+const API_KEY = new URLSearchParams(location.search).get("key");
+const AUTH = API_KEY ? { Authorization: `Bearer ${API_KEY}` } : {};
+
 async function fetchJson(path) {
-  const res = await fetch(path, { cache: "no-store" });
+  const res = await fetch(path, { cache: "no-store", headers: AUTH });
   let body = null;
   try { body = await res.json(); } catch { body = null; }
   return { res, body };
@@ -304,7 +308,7 @@ async function poll() {
   const [health, cluster, metrics] = await Promise.allSettled([
     fetchJson("/health"),
     fetchJson("/v1/cluster"),
-    fetch("/metrics", { cache: "no-store" }).then((r) => (r.ok ? r.text() : "")),
+    fetch("/metrics", { cache: "no-store", headers: AUTH }).then((r) => (r.ok ? r.text() : "")),
   ]);
   if (health.status === "fulfilled") renderHealth(health.value.res, health.value.body);
   else renderHealth(null, null);
