@@ -41,10 +41,23 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def server():
     port = free_port()
-    cmd = [sys.executable, "-m", "thunderpool", "serve", "--nodes", "2", "--parallel", "tp",
-           "--port", str(port), "--max-context", "1024"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "thunderpool",
+        "serve",
+        "--nodes",
+        "2",
+        "--parallel",
+        "tp",
+        "--port",
+        str(port),
+        "--max-context",
+        "1024",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -68,8 +81,13 @@ def server():
 
 
 def chat(url: str, question: str, stream: bool = False, max_tokens: int = 16) -> str:
-    body = {"model": "SmolLM2-135M-Instruct-f32", "max_tokens": max_tokens, "temperature": 0,
-            "messages": [{"role": "user", "content": question}], "stream": stream}
+    body = {
+        "model": "SmolLM2-135M-Instruct-f32",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": question}],
+        "stream": stream,
+    }
     if not stream:
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
@@ -95,8 +113,9 @@ def metric(url: str, name: str) -> float:
 def test_eight_concurrent_requests_equal_one_at_a_time(server):
     alone = [chat(server, q) for q in QUESTIONS]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        together = list(pool.map(lambda iq: chat(server, iq[1], stream=iq[0] % 2 == 0),
-                                 enumerate(QUESTIONS)))
+        together = list(
+            pool.map(lambda iq: chat(server, iq[1], stream=iq[0] % 2 == 0), enumerate(QUESTIONS))
+        )
     assert together == alone
     assert "Paris" in alone[0]
 
@@ -105,21 +124,32 @@ def test_official_openai_client(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
     plain = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct-f32", max_tokens=12, temperature=0,
-        messages=[{"role": "user", "content": QUESTIONS[0]}])
+        model="SmolLM2-135M-Instruct-f32",
+        max_tokens=12,
+        temperature=0,
+        messages=[{"role": "user", "content": QUESTIONS[0]}],
+    )
     chunks = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct-f32", max_tokens=12, temperature=0, stream=True,
-        messages=[{"role": "user", "content": QUESTIONS[0]}])
+        model="SmolLM2-135M-Instruct-f32",
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        messages=[{"role": "user", "content": QUESTIONS[0]}],
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert plain.choices[0].message.content == streamed == chat(server, QUESTIONS[0],
-                                                                 max_tokens=12)
+    assert plain.choices[0].message.content == streamed == chat(server, QUESTIONS[0], max_tokens=12)
     assert plain.usage.completion_tokens == 12 or plain.choices[0].finish_reason == "stop"
 
 
 def test_disconnect_stops_generation(server):
     before = metric(server, "thunderpool_tokens_generated_total")
-    body = {"model": "SmolLM2-135M-Instruct-f32", "max_tokens": 400, "temperature": 0,
-            "stream": True, "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    body = {
+        "model": "SmolLM2-135M-Instruct-f32",
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+    }
     with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 4:
@@ -139,10 +169,12 @@ def test_cluster_view_and_errors(server):
     assert cluster["placement"]["parallel"] == "tp"
     heads = [r["heads"]["q"] for r in cluster["placement"]["ranks"]]
     assert heads == [[0, 6], [6, 9]]  # SmolLM2's 9 heads split as 3 KV groups: 2 + 1
-    too_long = {"model": "SmolLM2-135M-Instruct-f32", "max_tokens": 10,
-                "messages": [{"role": "user", "content": "word " * 2000}]}
+    too_long = {
+        "model": "SmolLM2-135M-Instruct-f32",
+        "max_tokens": 10,
+        "messages": [{"role": "user", "content": "word " * 2000}],
+    }
     r = httpx.post(f"{server}/v1/chat/completions", json=too_long, timeout=30)
     assert r.status_code == 400 and "1024" in r.json()["error"]["message"]
-    r = httpx.post(f"{server}/v1/chat/completions", json={**too_long, "model": "nope"},
-                   timeout=30)
+    r = httpx.post(f"{server}/v1/chat/completions", json={**too_long, "model": "nope"}, timeout=30)
     assert r.status_code == 404

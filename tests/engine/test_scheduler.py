@@ -43,8 +43,14 @@ def run_batched(runner, requests, arrivals, cancel=None):
     for step in range(10_000):
         for i, (prompt, params) in enumerate(requests):
             if arrivals[i] == step:
-                ids[i] = sched.submit(prompt, params, lambda d, i=i: (
-                    out[i].extend(d.tokens), d.finish_reason and done.setdefault(i, d)))
+                ids[i] = sched.submit(
+                    prompt,
+                    params,
+                    lambda d, i=i: (
+                        out[i].extend(d.tokens),
+                        d.finish_reason and done.setdefault(i, d),
+                    ),
+                )
         if cancel and step == cancel[1]:
             sched.cancel(ids[cancel[0]])
         sched.step()
