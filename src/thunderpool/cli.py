@@ -6,6 +6,7 @@ User errors print one line (`error: ...`) and exit 2; no traceback reaches the u
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -149,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so that every rank this process started is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         match args.command:
             case "generate":
