@@ -46,13 +46,25 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
         help="MLX/HF model dir, .gguf file or Hugging Face repo id "
         "(default: the embedded SmolLM2-135M-Instruct)",
     )
-    p.add_argument("--nodes", type=_positive, default=2, help="number of local ranks (default 2)")
+    p.add_argument(
+        "--nodes",
+        type=_positive,
+        help="number of ranks (default 2 locally; with --cluster, the planner's)",
+    )
     p.add_argument(
         "--parallel",
         choices=("tp", "pp"),
-        default="tp",
-        help="tensor parallel (faster) or pipeline parallel (fits bigger models)",
+        help="tensor parallel (faster) or pipeline parallel (fits bigger models); "
+        "default tp locally, the planner's choice with --cluster",
     )
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="run on the cluster's nodes (see `thunderpool node`) as planned",
+    )
+    from thunderpool.cluster.cli import add_cluster_args
+
+    add_cluster_args(p)
     p.add_argument("--layer-split", type=_ints, help="PP: per-rank layer weights, e.g. 20,10")
     p.add_argument("--tp-weights", type=_floats, help="TP: per-rank head shares, e.g. 2,1")
     p.add_argument(
@@ -116,8 +128,24 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill-chunk", type=_positive, default=512)
 
     from thunderpool.chat import add_chat_parser
+    from thunderpool.cluster.cli import add_cluster_args, add_plan_parser
+    from thunderpool.cluster.node import add_node_parser
 
     add_chat_parser(sub)
+    add_node_parser(sub)
+    status = sub.add_parser(
+        "status",
+        help="the cluster's nodes (memory, speed) and every "
+        "link's measured latency, bandwidth and kind",
+    )
+    add_cluster_args(status)
+    add_plan_parser(sub)
+    try:
+        from thunderpool.cluster.doctor import add_doctor_parser
+
+        add_doctor_parser(sub)
+    except ImportError:
+        pass
 
     imp = sub.add_parser("import-gguf", help="turn a llama/qwen2 GGUF file into an MLX model dir")
     imp.add_argument("file", type=Path)
@@ -162,6 +190,22 @@ def main(argv: list[str] | None = None) -> int:
                 from thunderpool.commands import serve
 
                 return serve(args)
+            case "node":
+                from thunderpool.cluster.node import node_main
+
+                return node_main(args)
+            case "status":
+                from thunderpool.cluster.cli import status_main
+
+                return status_main(args)
+            case "plan":
+                from thunderpool.cluster.cli import plan_main
+
+                return plan_main(args)
+            case "doctor":
+                from thunderpool.cluster.doctor import doctor_main
+
+                return doctor_main(args)
             case "chat":
                 from thunderpool.chat import chat_main
 

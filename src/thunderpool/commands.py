@@ -16,11 +16,29 @@ def _mib(n: int | float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def generate(args: argparse.Namespace) -> int:
+def _instance(args: argparse.Namespace, make_job, timeout: float | None):
+    """Local ranks on this host, or the planned ranks across the cluster (--cluster)."""
     from thunderpool.cluster.launch import LocalInstance
-    from thunderpool.engine.job import GenerateTask, RankJob, Sampling
     from thunderpool.engine.loader import Layout, preflight
     from thunderpool.models.source import resolve_model
+
+    if args.cluster:
+        from thunderpool.cluster.cli import cluster_instance
+
+        return cluster_instance(args, make_job, timeout), args.model or "SmolLM2-135M-Instruct"
+    nodes, parallel = args.nodes or 2, args.parallel or "tp"
+    model_dir = resolve_model(args.model)
+    preflight(model_dir, nodes, Layout(parallel, args.tp_weights, args.layer_split))
+    job = make_job(
+        nodes,
+        {"parallel": parallel, "tp_weights": args.tp_weights, "layer_split": args.layer_split},
+        str(model_dir),
+    )
+    return LocalInstance(job, timeout=timeout), model_dir.name
+
+
+def generate(args: argparse.Namespace) -> int:
+    from thunderpool.engine.job import GenerateTask, RankJob, Sampling
 
     err = Console(stderr=True)
     try:
@@ -34,21 +52,24 @@ def generate(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise ThunderpoolError(_first_error(e)) from None
-    model_dir = resolve_model(args.model)
-    preflight(model_dir, args.nodes, Layout(args.parallel, args.tp_weights, args.layer_split))
-    job = RankJob(
-        model_dir=str(model_dir),
-        world_size=args.nodes,
-        parallel=args.parallel,
-        tp_weights=args.tp_weights,
-        layer_split=args.layer_split,
-        prefill_chunk=args.prefill_chunk,
-        task=GenerateTask(prompt=args.prompt, chat=not args.raw, sampling=sampling),
-    )
-    mode = args.parallel.upper() if args.nodes > 1 else "single rank"
-    err.print(f"[dim]{model_dir.name}: {args.nodes} rank(s), {mode}, MLX ring on loopback[/]")
+    task = GenerateTask(prompt=args.prompt, chat=not args.raw, sampling=sampling)
+
+    def make_job(world: int, layout: dict, model_dir: str | None = None) -> RankJob:
+        return RankJob(
+            model_dir=model_dir or args.model or "",
+            world_size=world,
+            task=task,
+            prefill_chunk=args.prefill_chunk,
+            **layout,
+        )
+
+    instance, name = _instance(args, make_job, args.timeout)
+    world = instance.job.world_size
+    mode = instance.job.parallel.upper() if world > 1 else "single rank"
+    where = "the cluster" if args.cluster else "MLX ring on loopback"
+    err.print(f"[dim]{name}: {world} rank(s), {mode}, {where}[/]")
     loaded, peaks, done = {}, {}, None
-    with LocalInstance(job, timeout=args.timeout) as instance:
+    with instance:
         for ev in instance.events():
             e = ev.event
             match e["kind"]:
@@ -70,10 +91,7 @@ def generate(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     import ipaddress
 
-    from thunderpool.cluster.launch import LocalInstance
     from thunderpool.engine.job import RankJob, ServeTask
-    from thunderpool.engine.loader import Layout, preflight
-    from thunderpool.models.source import resolve_model
 
     err = Console(stderr=True)
     try:
@@ -87,34 +105,41 @@ def serve(args: argparse.Namespace) -> int:
             f"--host {args.host} exposes the API beyond this machine; pass --api-key KEY "
             "(or --insecure to serve without one)"
         )
-    model_dir = resolve_model(args.model)
-    preflight(model_dir, args.nodes, Layout(args.parallel, args.tp_weights, args.layer_split))
-    task = ServeTask(
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        model_name=model_dir.name,
-        max_batch=args.max_batch,
-        max_context=args.max_context,
-    )
-    job = RankJob(
-        model_dir=str(model_dir),
-        world_size=args.nodes,
-        parallel=args.parallel,
-        tp_weights=args.tp_weights,
-        layer_split=args.layer_split,
-        prefill_chunk=args.prefill_chunk,
-        task=task,
-    )
-    mode = args.parallel.upper() if args.nodes > 1 else "single rank"
-    with LocalInstance(job, timeout=None) as instance:
+
+    def make_job(world: int, layout: dict, model_dir: str | None = None) -> RankJob:
+        task = ServeTask(
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            model_name=name_of(model_dir),
+            max_batch=args.max_batch,
+            max_context=args.max_context,
+        )
+        return RankJob(
+            model_dir=model_dir or args.model or "",
+            world_size=world,
+            task=task,
+            prefill_chunk=args.prefill_chunk,
+            **layout,
+        )
+
+    def name_of(model_dir: str | None) -> str:
+        from pathlib import Path
+
+        return Path(model_dir or args.model or "SmolLM2-135M-Instruct-f32").name
+
+    instance, _ = _instance(args, make_job, None)
+    world = instance.job.world_size
+    mode = instance.job.parallel.upper() if world > 1 else "single rank"
+    model_name = instance.job.task.model_name
+    with instance:
         for ev in instance.events():
             e = ev.event
             match e["kind"]:
                 case "listening":
                     err.print(
-                        f"API and dashboard at {e['url']} (loading {model_dir.name} on "
-                        f"{args.nodes} rank(s), {mode})"
+                        f"API and dashboard at {e['url']} (loading {model_name} on "
+                        f"{world} rank(s), {mode})"
                     )
                 case "loaded":
                     err.print(

@@ -1,0 +1,163 @@
+"""`thunderpool node`: the per-node daemon.
+
+It reports the node's capabilities, keeps the membership it has heard of (a ClusterState
+built by the pure reducer), measures links on request, and starts, watches and stops rank
+processes for the coordinator. Every request must be signed with the cluster token.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+
+from thunderpool import __version__
+from thunderpool.cluster.auth import AuthError, Identity, verify
+from thunderpool.cluster.client import AgentClient, AgentError
+from thunderpool.cluster.messages import (
+    Hello,
+    LinkMeasured,
+    NodeInfo,
+    ProbeRequest,
+    StartRanks,
+    StopInstance,
+)
+from thunderpool.cluster.probe import measure
+from thunderpool.cluster.ranks import RankManager
+from thunderpool.cluster.state import ClusterState, apply
+
+log = logging.getLogger("thunderpool.agent")
+
+
+class Agent:
+    def __init__(
+        self, identity: Identity, info: NodeInfo, contact: str, probe_port: int, ranks: RankManager
+    ):
+        self.identity, self.info, self.contact = identity, info, contact
+        self.probe_port = probe_port
+        self.ranks = ranks
+        self.lock = threading.Lock()
+        self.state = apply(ClusterState(), Hello(node=info, contact=contact))
+
+    def hello(self) -> Hello:
+        return Hello(node=self.info, contact=self.contact)
+
+    def accept(self, msg: Hello) -> None:
+        if msg.node.version != __version__:
+            raise HTTPException(
+                409,
+                f"version mismatch: this node runs thunderpool "
+                f"{__version__}, the joining node {msg.node.name} runs "
+                f"{msg.node.version}; install the same version on both",
+            )
+        with self.lock:
+            self.state = apply(self.state, msg)
+
+    def join(self, seed: str) -> list[str]:
+        """Say hello to `seed`, then to every peer it knows; returns the peers greeted."""
+        todo, greeted = [seed], []
+        while todo:
+            address = todo.pop()
+            reply = AgentClient(address, self.identity.token).call(
+                "POST", "/v1/hello", self.hello()
+            )
+            greeted.append(address)
+            for node_id, contact in reply["contacts"].items():
+                node = NodeInfo.model_validate(reply["nodes"][node_id])
+                self.accept(Hello(node=node, contact=contact))
+                if node_id != self.identity.node_id and contact not in greeted + todo:
+                    todo.append(contact)
+        return greeted
+
+    def probe(self, req: ProbeRequest) -> LinkMeasured:
+        rtt, bw = measure(req.address, req.port)
+        kind = "loopback" if req.address.startswith("127.") else _kind_of(self.info, req.address)
+        mine = _my_address(self.info, req.address) or self.contact.rsplit(":", 1)[0]
+        return LinkMeasured(
+            a=self.identity.node_id,
+            b=req.peer,
+            a_address=mine,
+            b_address=req.address,
+            rtt_s=rtt,
+            bandwidth_Bps=bw,
+            link=kind,
+        )
+
+
+def _same_subnet24(a: str, b: str) -> bool:
+    return a.split(".")[:3] == b.split(".")[:3]
+
+
+def _my_address(info: NodeInfo, peer: str) -> str | None:
+    return next((i.address for i in info.interfaces if _same_subnet24(i.address, peer)), None)
+
+
+def _kind_of(info: NodeInfo, peer: str) -> str:
+    return next((i.kind for i in info.interfaces if _same_subnet24(i.address, peer)), "other")
+
+
+def create_agent_app(agent: Agent) -> FastAPI:
+    app = FastAPI(title="thunderpool node", docs_url=None, redoc_url=None, openapi_url=None)
+
+    async def signed(request: Request) -> bytes:
+        body = await request.body()
+        try:
+            verify(agent.identity.token, body, request.headers)
+        except AuthError as e:
+            log.warning("refused a control message from %s: %s", request.client.host, e)
+            raise HTTPException(401, str(e)) from None
+        return body
+
+    @app.exception_handler(ValueError)
+    async def bad_message(request: Request, exc: ValueError):
+        return JSONResponse({"detail": f"invalid message: {exc}"}, status_code=400)
+
+    @app.post("/v1/hello")
+    def hello(body: bytes = Depends(signed), request: Request = None):
+        msg = Hello.model_validate_json(body)
+        # Reach the peer where its packets came from, at the port it announced.
+        port = msg.contact.rsplit(":", 1)[-1] if msg.contact else str(msg.node.port)
+        agent.accept(msg.model_copy(update={"contact": f"{request.client.host}:{port}"}))
+        return agent.state.model_dump(mode="json")
+
+    @app.get("/v1/state")
+    def state(_: bytes = Depends(signed)):
+        return agent.state.model_dump(mode="json")
+
+    @app.post("/v1/probe")
+    def probe(body: bytes = Depends(signed)):
+        req = ProbeRequest.model_validate_json(body)
+        try:
+            return agent.probe(req).model_dump(mode="json")
+        except OSError as e:
+            raise HTTPException(502, f"cannot probe {req.address}:{req.port}: {e}") from None
+
+    @app.post("/v1/start")
+    def start(body: bytes = Depends(signed)):
+        msg = StartRanks.model_validate_json(body)
+        for spec in msg.ranks:
+            agent.ranks.start(spec)
+        return {"started": [s.rank for s in msg.ranks]}
+
+    @app.get("/v1/instances/{instance_id}")
+    def poll(instance_id: str, after: int = 0, _: bytes = Depends(signed)):
+        return agent.ranks.poll(instance_id, after)
+
+    @app.post("/v1/stop")
+    def stop(body: bytes = Depends(signed)):
+        msg = StopInstance.model_validate_json(body)
+        agent.ranks.stop(msg.instance_id)
+        return {"stopped": msg.instance_id}
+
+    return app
+
+
+def join_all(agent: Agent, seeds: list[str]) -> None:
+    """Join through each seed; a refusal (wrong token, other version) is fatal."""
+    for seed in seeds:
+        try:
+            agent.join(seed)
+        except AgentError as e:
+            raise AgentError(f"cannot join through {seed}: {e}") from None

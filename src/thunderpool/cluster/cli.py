@@ -1,0 +1,179 @@
+"""`thunderpool status` and `plan`, and the cluster side of `generate`/`serve --cluster`."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.table import Table
+
+from thunderpool.cluster.coordinator import ClusterInstance, Coordinator, node_specs, plan_layout
+from thunderpool.cluster.state import ClusterState
+from thunderpool.errors import ThunderpoolError
+
+GB = 1e9
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--join",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="any node of the cluster (default 127.0.0.1:7070, this machine's agent)",
+    )
+    p.add_argument("--token", help="cluster token (else $THUNDERPOOL_TOKEN or this machine's)")
+
+
+def coordinator(args: argparse.Namespace) -> Coordinator:
+    from thunderpool.cluster.auth import load_identity
+    from thunderpool.config import state_dir, token_from_env
+
+    token = args.token or token_from_env()
+    if token is None and (state_dir() / "identity.json").is_file():
+        token = load_identity().token
+    if token is None:
+        raise ThunderpoolError(
+            "no cluster token: pass --token (printed by the first "
+            "`thunderpool node`) or set $THUNDERPOOL_TOKEN"
+        )
+    return Coordinator(args.join or ["127.0.0.1:7070"], token)
+
+
+def measured_state(coord: Coordinator) -> ClusterState:
+    return coord.probe(coord.discover())
+
+
+def status_main(args: argparse.Namespace) -> int:
+    state = measured_state(coordinator(args))
+    console = Console()
+    nodes = Table(
+        "node",
+        "id",
+        "agent",
+        "chip",
+        "memory (avail/total)",
+        "mem bw",
+        "fp32",
+        "backends",
+        "versions",
+        title=f"{len(state.nodes)} node(s)",
+    )
+    for n in state.nodes.values():
+        nodes.add_row(
+            n.name,
+            n.node_id,
+            state.contacts.get(n.node_id, ""),
+            n.chip,
+            f"{n.memory_available_bytes / GB:.1f}/{n.memory_total_bytes / GB:.1f} GB",
+            f"{n.mem_bw_Bps / GB:.1f} GB/s",
+            f"{n.flops / GB:.0f} GFLOP/s",
+            ",".join(n.backends) + (" +RDMA" if n.rdma else ""),
+            f"tp {n.version} / mlx {n.mlx_version}",
+        )
+    links = Table("between", "addresses", "RTT", "bandwidth", "kind", title="links")
+    for link in sorted(state.links.values(), key=lambda x: (x.a, x.b)):
+        a, b = state.nodes[link.a].name, state.nodes[link.b].name
+        links.add_row(
+            f"{a} - {b}",
+            f"{link.a_address} - {link.b_address}",
+            f"{link.rtt_s * 1e3:.3f} ms",
+            f"{link.bandwidth_Bps / GB:.2f} GB/s",
+            link.link,
+        )
+    console.print(nodes)
+    console.print(links)
+    return 0
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="rank the ways to place a model on the cluster, with "
+        "predicted speed and the memory left on every node",
+    )
+    p.add_argument("--model", help="model dir, .gguf or repo id (default: embedded SmolLM2)")
+    p.add_argument("--context", type=int, default=4096, help="tokens of context per request")
+    p.add_argument("--concurrency", type=int, default=1, help="requests served at once")
+    p.add_argument("--top", type=int, default=8, help="plans to show")
+    add_cluster_args(p)
+
+
+def ranked_plans(args: argparse.Namespace, state: ClusterState):
+    from thunderpool.models.source import resolve_model
+    from thunderpool.planner.placement import place
+    from thunderpool.planner.spec import model_spec
+
+    spec = model_spec(resolve_model(args.model))
+    nodes, links = node_specs(state)
+    return place(
+        spec,
+        nodes,
+        links,
+        context_tokens=getattr(args, "context", 4096),
+        concurrency=getattr(args, "concurrency", 1),
+    )
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    from thunderpool.planner.placement import explain
+
+    state = measured_state(coordinator(args))
+    plans = ranked_plans(args, state)
+    names = {k: n.name for k, n in state.nodes.items()}
+    table = Table(
+        "#",
+        "kind",
+        "nodes",
+        "decode tok/s",
+        "prefill tok/s",
+        "TTFT",
+        "free memory per node",
+        title="plans, fastest decode first",
+    )
+    for i, p in enumerate(plans[: args.top], 1):
+        free = ", ".join(f"{names[n]} {p.memory_free[n] / GB:.1f} GB" for n in p.nodes)
+        table.add_row(
+            str(i),
+            p.kind,
+            " > ".join(names[n] for n in p.nodes),
+            f"{p.prediction.decode_tps:.1f}",
+            f"{p.prediction.prefill_tps:.0f}",
+            f"{p.prediction.ttft_s * 1e3:.0f} ms",
+            free,
+        )
+    console = Console()
+    console.print(table)
+    text = explain(plans)
+    for node_id, name in names.items():
+        text = text.replace(node_id, name)
+    console.print(text)
+    return 0
+
+
+def cluster_instance(args: argparse.Namespace, make_job, timeout: float | None):
+    """Plan on the measured cluster (honouring --parallel/--nodes when given), then launch."""
+    coord = coordinator(args)
+    state = measured_state(coord)
+    plans = ranked_plans(args, state)
+    wanted = [
+        p
+        for p in plans
+        if (
+            args.parallel is None
+            or p.kind == args.parallel
+            or (p.kind == "single" and args.nodes == 1)
+        )
+        and (args.nodes is None or len(p.nodes) == args.nodes)
+    ]
+    if not wanted:
+        kinds = ", ".join(sorted({f"{p.kind} on {len(p.nodes)}" for p in plans}))
+        raise ThunderpoolError(
+            f"no plan with --parallel {args.parallel} --nodes {args.nodes} "
+            f"fits this cluster; possible: {kinds}"
+        )
+    plan = wanted[0]
+    job = make_job(len(plan.nodes), plan_layout(plan))
+    names = [state.nodes[n].name for n in plan.nodes]
+    Console(stderr=True).print(f"[dim]plan: {plan.kind} over {' > '.join(names)}: {plan.reason}[/]")
+    return ClusterInstance(coord, state, list(plan.nodes), job, timeout=timeout)

@@ -1,0 +1,46 @@
+"""Signed HTTP calls to a node agent (every control message carries the cluster token's HMAC)."""
+
+from __future__ import annotations
+
+import httpx
+from pydantic import BaseModel
+
+from thunderpool.cluster.auth import AuthError, sign
+from thunderpool.errors import ThunderpoolError
+
+
+class AgentError(ThunderpoolError):
+    """An agent refused a request or could not be reached."""
+
+
+class AgentClient:
+    def __init__(self, address: str, token: str, timeout: float = 30.0):
+        self.address, self.token, self.timeout = address, token, timeout
+
+    def call(
+        self, method: str, path: str, body: BaseModel | None = None, timeout: float | None = None
+    ) -> dict:
+        data = body.model_dump_json().encode() if body is not None else b""
+        headers = {**sign(self.token, data), "Content-Type": "application/json"}
+        url = f"http://{self.address}{path}"
+        try:
+            r = httpx.request(
+                method, url, content=data, headers=headers, timeout=timeout or self.timeout
+            )
+        except httpx.HTTPError as e:
+            raise AgentError(
+                f"cannot reach the agent at {self.address} ({e}); is "
+                "`thunderpool node` running there and the port open?"
+            ) from None
+        if r.status_code == 401:
+            raise AuthError(f"{self.address} refused: {_detail(r)}")
+        if r.status_code >= 400:
+            raise AgentError(f"{self.address}: {_detail(r)}")
+        return r.json()
+
+
+def _detail(r: httpx.Response) -> str:
+    try:
+        return str(r.json().get("detail", r.text))
+    except ValueError:
+        return r.text or f"HTTP {r.status_code}"

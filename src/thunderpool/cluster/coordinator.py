@@ -1,0 +1,224 @@
+"""The coordinator: learns the cluster from an agent, measures links, plans, launches.
+
+It runs wherever the user runs `thunderpool status | plan | generate --cluster | serve
+--cluster` and owns the ClusterState for that command. Any node can coordinate: the state
+lives in the agents' membership plus fresh probes, so another node takes over by running the
+same command there (`--join` any agent of the cluster).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+from thunderpool.cluster.client import AgentClient, AgentError
+from thunderpool.cluster.launch import RankEvent
+from thunderpool.cluster.messages import (
+    Hello,
+    LinkMeasured,
+    NodeInfo,
+    ProbeRequest,
+    RankSpec,
+    StartRanks,
+    StopInstance,
+)
+from thunderpool.cluster.state import ClusterState, apply
+from thunderpool.engine.job import RankJob
+from thunderpool.errors import LaunchError, ThunderpoolError
+from thunderpool.planner.cost import LinkSpec, NodeSpec
+from thunderpool.planner.placement import Plan
+
+RING_PORT_BASE = 29500
+
+
+class Coordinator:
+    def __init__(self, seeds: list[str], token: str):
+        if not seeds:
+            raise ThunderpoolError("no node to ask: pass --join HOST:PORT of any cluster node")
+        self.seeds, self.token = seeds, token
+
+    def client(self, node_id: str, state: ClusterState) -> AgentClient:
+        return AgentClient(state.contacts[node_id], self.token)
+
+    def discover(self) -> ClusterState:
+        """The membership every reachable seed knows of, merged."""
+        state, errors = ClusterState(), []
+        for seed in self.seeds:
+            try:
+                known = ClusterState.model_validate(
+                    AgentClient(seed, self.token).call("GET", "/v1/state")
+                )
+            except AgentError as e:
+                errors.append(str(e))
+                continue
+            for node_id, node in known.nodes.items():
+                state = apply(state, Hello(node=node, contact=known.contacts.get(node_id, "")))
+        if not state.nodes:
+            raise AgentError("; ".join(errors) or "no nodes found")
+        return state
+
+    def probe(self, state: ClusterState) -> ClusterState:
+        """Measure every pair of nodes, from the first to each address of the second."""
+        for a, b in state.unprobed_pairs():
+            target = state.nodes[b]
+            addresses = [state.contacts[b].rsplit(":", 1)[0]]
+            addresses += [i.address for i in target.interfaces if i.address not in addresses]
+            for address in addresses:
+                req = ProbeRequest(peer=b, address=address, port=target.port + 1)
+                try:
+                    link = LinkMeasured.model_validate(
+                        self.client(a, state).call("POST", "/v1/probe", req, timeout=60)
+                    )
+                except AgentError:
+                    continue  # that address is not reachable from a
+                state = apply(state, link)
+        return state
+
+
+def node_specs(state: ClusterState) -> tuple[list[NodeSpec], list[LinkSpec]]:
+    """The planner's view: nodes by id, links with one-way latency (half the measured RTT)."""
+    nodes = [
+        NodeSpec(
+            name=n.node_id,
+            memory_bytes=n.memory_total_bytes,
+            available_bytes=n.memory_available_bytes,
+            mem_bw_Bps=max(n.mem_bw_Bps, 1e9),
+            flops=max(n.flops, 1e9),
+        )
+        for n in state.nodes.values()
+    ]
+    links = [
+        LinkSpec(
+            a=link.a,
+            b=link.b,
+            latency_s=max(link.rtt_s / 2, 1e-7),
+            bandwidth_Bps=max(link.bandwidth_Bps, 1e6),
+            kind=link.link if link.link != "other" else "ethernet",
+        )
+        for link in state.links.values()
+    ]
+    return nodes, links
+
+
+def ring_hostfile(state: ClusterState, order: list[str], base_port: int) -> str:
+    """Each rank listens on its address on the link from the previous rank (MLX ring)."""
+    import json
+
+    entries = []
+    for i, node in enumerate(order):
+        prev = order[i - 1]
+        link = state.link(prev, node) if prev != node else None
+        if link is None:
+            address = state.contacts[node].rsplit(":", 1)[0]
+        else:
+            address = link.a_address if link.a == node else link.b_address
+        entries.append([f"{address}:{base_port + i}"])
+    return json.dumps(entries)
+
+
+def plan_layout(plan: Plan) -> dict:
+    """RankJob fields for a plan (hybrid plans run as PP over their nodes for now)."""
+    if plan.kind == "tp":
+        return {"parallel": "tp", "tp_weights": plan.tp_weights}
+    if plan.kind in ("pp", "hybrid"):
+        return {"parallel": "pp", "layer_split": plan.layer_split}
+    return {"parallel": "tp"}
+
+
+class ClusterInstance:
+    """One job's ranks across the cluster's agents; the same interface as LocalInstance."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        state: ClusterState,
+        order: list[str],
+        job: RankJob,
+        timeout: float | None = 600.0,
+    ):
+        self.coordinator, self.state, self.order = coordinator, state, order
+        self.job, self.timeout = job, timeout
+        self.instance_id = uuid.uuid4().hex[:10]
+        self.nodes = sorted(set(order))
+
+    def __enter__(self) -> ClusterInstance:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+    def start(self) -> None:
+        n = len(self.order)
+        port = RING_PORT_BASE + (int(self.instance_id, 16) % 2000) * 4
+        hostfile = ring_hostfile(self.state, self.order, port) if n > 1 else None
+        for node in self.nodes:
+            specs = tuple(
+                RankSpec(
+                    instance_id=self.instance_id,
+                    rank=r,
+                    world_size=n,
+                    job=self.job.model_dump_json(),
+                    hostfile=hostfile,
+                    env={"THUNDERPOOL_NODE": node},
+                )
+                for r, owner in enumerate(self.order)
+                if owner == node
+            )
+            self.coordinator.client(node, self.state).call(
+                "POST", "/v1/start", StartRanks(ranks=specs)
+            )
+
+    def events(self) -> Iterator[RankEvent]:
+        seen = dict.fromkeys(self.nodes, 0)
+        limit = self.timeout if self.timeout is not None else float("inf")
+        deadline = time.monotonic() + limit
+        while True:
+            progressed, exits = False, {}
+            for node in self.nodes:
+                try:
+                    reply = self.coordinator.client(node, self.state).call(
+                        "GET", f"/v1/instances/{self.instance_id}?after={seen[node]}"
+                    )
+                except AgentError as e:
+                    self.kill()
+                    raise LaunchError(f"lost node {node}: {e}; stopped every rank") from None
+                for item in reply["events"]:
+                    yield RankEvent(item["rank"], item["event"])
+                    progressed = True
+                seen[node] += len(reply["events"])
+                for rank, code in reply["exits"].items():
+                    exits[int(rank)] = code
+                    if code not in (None, 0):
+                        self.kill()
+                        cause = reply["errors"].get(rank) or reply["errors"].get(str(rank), "")
+                        raise LaunchError(
+                            f"rank {rank} on {self._name(node)} exited with "
+                            f"code {code}: {cause}; stopped all {len(self.order)} "
+                            "ranks"
+                        )
+            if len(exits) == len(self.order) and all(c == 0 for c in exits.values()):
+                return
+            if progressed:
+                deadline = time.monotonic() + limit
+            elif time.monotonic() > deadline:
+                self.kill()
+                raise LaunchError(
+                    f"no progress from the ranks for {self.timeout:.0f}s; stopped every rank"
+                )
+            else:
+                time.sleep(0.05)
+
+    def _name(self, node: str) -> str:
+        info: NodeInfo | None = self.state.nodes.get(node)
+        return info.name if info else node
+
+    def kill(self) -> None:
+        for node in self.nodes:
+            try:
+                self.coordinator.client(node, self.state).call(
+                    "POST", "/v1/stop", StopInstance(instance_id=self.instance_id)
+                )
+            except AgentError:
+                pass  # a lost node's agent stops its ranks when it notices, or died with them

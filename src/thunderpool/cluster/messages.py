@@ -1,0 +1,119 @@
+"""Control-plane wire messages: frozen pydantic models, discriminated on `kind`.
+
+Every message between nodes is one of these, serialized as JSON and signed with the cluster
+token (cluster/auth.py). No pickle, and no generated token ever passes through here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+LinkKind = Literal["rdma", "thunderbolt", "ethernet", "wifi", "loopback", "other"]
+
+
+class Wire(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Interface(Wire):
+    """One usable network interface of a node."""
+
+    name: str
+    address: str  # IPv4/IPv6 address on this interface
+    kind: LinkKind = "other"
+    rdma_device: str | None = None  # e.g. "rdma_en2" where ibv_devices lists one
+
+
+class NodeInfo(Wire):
+    """What a node reports about itself when it joins."""
+
+    node_id: str  # stable per machine (generated once, stored with the token)
+    name: str  # hostname
+    port: int  # the agent's control port
+    version: str  # thunderpool version
+    mlx_version: str
+    python_version: str
+    os: str  # e.g. "Linux 6.1" or "macOS 26.2"
+    chip: str  # e.g. "Apple M3 Ultra" or the CPU model
+    cpu_count: int
+    memory_total_bytes: int
+    memory_available_bytes: int
+    mem_bw_Bps: float = 0.0  # quick measured memory bandwidth
+    flops: float = 0.0  # quick measured fp32 matmul FLOP/s
+    backends: tuple[str, ...] = ("ring",)  # MLX distributed backends usable here
+    rdma: bool = False
+    interfaces: tuple[Interface, ...] = ()
+
+
+class Hello(Wire):
+    """A node asks to join (or a coordinator greets a node)."""
+
+    kind: Literal["hello"] = "hello"
+    node: NodeInfo
+    contact: str = ""  # host:port where its agent answers; the receiver fills in the peer IP
+
+
+class Left(Wire):
+    kind: Literal["left"] = "left"
+    node_id: str
+    reason: str = ""
+
+
+class ProbeRequest(Wire):
+    """Coordinator -> agent a: measure the link to node b at address:port."""
+
+    peer: str  # node_id of b
+    address: str
+    port: int
+
+
+class LinkMeasured(Wire):
+    """Latency and bandwidth between two nodes over one pair of addresses."""
+
+    kind: Literal["link"] = "link"
+    a: str  # node_id
+    b: str  # node_id
+    a_address: str
+    b_address: str
+    rtt_s: float  # median round trip time
+    bandwidth_Bps: float
+    link: LinkKind
+
+
+class RankSpec(Wire):
+    """One rank process an agent must start."""
+
+    instance_id: str
+    rank: int
+    world_size: int
+    job: str  # engine.job.RankJob as JSON
+    env: dict[str, str] = Field(default_factory=dict)  # MLX_HOSTFILE contents etc.
+    hostfile: str | None = None  # ring hostfile JSON written by the agent, path set in env
+
+
+class StartRanks(Wire):
+    kind: Literal["start"] = "start"
+    ranks: tuple[RankSpec, ...]
+
+
+class StopInstance(Wire):
+    kind: Literal["stop"] = "stop"
+    instance_id: str
+    reason: str = ""
+
+
+class RankExited(Wire):
+    kind: Literal["rank_exited"] = "rank_exited"
+    instance_id: str
+    node_id: str
+    rank: int
+    code: int
+    last_error: str = ""
+
+
+Message = Annotated[
+    Hello | Left | LinkMeasured | StartRanks | StopInstance | RankExited,
+    Field(discriminator="kind"),
+]

@@ -1,0 +1,98 @@
+"""Link probes: round-trip latency and bandwidth between two agents, over a plain TCP port.
+
+Frames are a 4-byte big-endian length, then a 1-byte op and the payload: op E echoes the
+payload back (latency), op S swallows it and answers 8 bytes (bandwidth). Frames over
+MAX_FRAME are refused and the connection is closed; the server keeps serving others.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import socketserver
+import statistics
+import struct
+import threading
+import time
+
+MAX_FRAME = 64 << 20
+log = logging.getLogger("thunderpool.probe")
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        sock.settimeout(30)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            while True:
+                head = _recv_exact(sock, 5)
+                if head is None:
+                    return
+                n, op = struct.unpack(">IB", head)
+                if n > MAX_FRAME or op not in (ord("E"), ord("S")):
+                    log.warning(
+                        "probe: refused a frame (length %d, op %d) from %s",
+                        n,
+                        op,
+                        self.client_address[0],
+                    )
+                    return
+                payload = _recv_exact(sock, n)
+                if payload is None:
+                    return
+                reply = payload if op == ord("E") else struct.pack(">Q", n)
+                sock.sendall(struct.pack(">I", len(reply)) + reply)
+        except OSError:
+            return
+
+
+class ProbeServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, host: str, port: int):
+        super().__init__((host, port), _Handler)
+
+    def start(self) -> ProbeServer:
+        threading.Thread(target=self.serve_forever, name="probe", daemon=True).start()
+        return self
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _frame(op: str, payload: bytes) -> bytes:
+    return struct.pack(">IB", len(payload), ord(op)) + payload
+
+
+def measure(
+    host: str, port: int, rounds: int = 20, blob_bytes: int = 4 << 20, timeout: float = 10.0
+) -> tuple[float, float]:
+    """(median RTT seconds, bandwidth bytes/s) to a ProbeServer at host:port."""
+    with socket.create_connection((host, port), timeout=timeout) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        rtts = []
+        ping = _frame("E", b"x" * 64)
+        for _ in range(rounds + 2):
+            t = time.perf_counter()
+            sock.sendall(ping)
+            head = _recv_exact(sock, 4)
+            if head is None or _recv_exact(sock, struct.unpack(">I", head)[0]) is None:
+                raise ConnectionError(f"probe server {host}:{port} closed the connection")
+            rtts.append(time.perf_counter() - t)
+        blob = _frame("S", bytes(blob_bytes))
+        t = time.perf_counter()
+        sock.sendall(blob)
+        if _recv_exact(sock, 12) is None:
+            raise ConnectionError(f"probe server {host}:{port} closed the connection")
+        seconds = time.perf_counter() - t
+    # The first rounds warm up the connection; the median resists scheduler noise.
+    return statistics.median(rtts[2:]), blob_bytes / max(seconds, 1e-9)

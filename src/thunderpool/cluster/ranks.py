@@ -1,0 +1,134 @@
+"""The rank processes an agent runs for the coordinator: start, collect events, stop, reap.
+
+Ranks run in their own sessions and die with the agent (PR_SET_PDEATHSIG). Their `TPEV`
+events are buffered per instance so the coordinator can fetch them in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from thunderpool.cluster.launch import _child_setup
+from thunderpool.cluster.messages import RankSpec
+from thunderpool.engine.job import RankJob
+from thunderpool.engine.worker import EVENT_PREFIX
+
+
+@dataclass
+class _Rank:
+    rank: int
+    proc: subprocess.Popen
+    stderr: deque = field(default_factory=lambda: deque(maxlen=20))
+
+
+@dataclass
+class _Instance:
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+    events: list[dict] = field(default_factory=list)
+    tmp: tempfile.TemporaryDirectory = field(
+        default_factory=lambda: tempfile.TemporaryDirectory(prefix="thunderpool-agent-")
+    )
+
+
+class RankManager:
+    def __init__(self, resolve_model=None):
+        self.instances: dict[str, _Instance] = {}
+        self.lock = threading.Lock()
+        self.resolve_model = resolve_model
+
+    def start(self, spec: RankSpec) -> None:
+        job = RankJob.model_validate_json(spec.job)
+        if self.resolve_model is not None:
+            # The model is named as the user named it; each node resolves it to its own copy.
+            model_dir = self.resolve_model(job.model_dir or None)
+            job = job.model_copy(update={"model_dir": str(model_dir)})
+        with self.lock:
+            inst = self.instances.setdefault(spec.instance_id, _Instance())
+        tmp = Path(inst.tmp.name)
+        job_file = tmp / f"job-{spec.rank}.json"
+        job_file.write_text(job.model_dump_json())
+        env = {**os.environ, **spec.env, "MLX_RANK": str(spec.rank)}
+        if spec.hostfile is not None:
+            hostfile = tmp / "hosts.json"
+            hostfile.write_text(spec.hostfile)
+            env["MLX_HOSTFILE"] = str(hostfile)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "thunderpool.engine.worker", str(job_file)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            preexec_fn=lambda: _child_setup(None),
+        )
+        rank = _Rank(spec.rank, proc)
+        inst.ranks[spec.rank] = rank
+        threading.Thread(target=self._pump_out, args=(inst, rank), daemon=True).start()
+        threading.Thread(target=self._pump_err, args=(rank,), daemon=True).start()
+
+    def _pump_out(self, inst: _Instance, rank: _Rank) -> None:
+        for line in rank.proc.stdout:
+            if line.startswith(EVENT_PREFIX):
+                with contextlib.suppress(json.JSONDecodeError):
+                    event = json.loads(line[len(EVENT_PREFIX) :])
+                    with self.lock:
+                        inst.events.append({"rank": rank.rank, "event": event})
+
+    def _pump_err(self, rank: _Rank) -> None:
+        for line in rank.proc.stderr:
+            if line.strip():
+                rank.stderr.append(line.rstrip("\n"))
+
+    def poll(self, instance_id: str, after: int) -> dict:
+        """Events after index `after`, and each rank's exit code (None while running)."""
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return {"events": [], "exits": {}, "errors": {}, "known": False}
+        with self.lock:
+            events = inst.events[after:]
+        exits = {r.rank: r.proc.poll() for r in inst.ranks.values()}
+        errors = {
+            r.rank: _last_error(r.stderr)
+            for r in inst.ranks.values()
+            if exits[r.rank] not in (None, 0)
+        }
+        return {"events": events, "exits": exits, "errors": errors, "known": True}
+
+    def stop(self, instance_id: str, grace: float = 2.0) -> None:
+        inst = self.instances.pop(instance_id, None)
+        if inst is None:
+            return
+        procs = [r.proc for r in inst.ranks.values()]
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        inst.tmp.cleanup()
+
+    def stop_all(self) -> None:
+        for iid in list(self.instances):
+            self.stop(iid)
+
+
+def _last_error(lines: deque) -> str:
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    last = (errors or list(lines) or ["(no output)"])[-1]
+    return last.removeprefix("error: ")

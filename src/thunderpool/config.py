@@ -1,0 +1,18 @@
+"""Settings read from the environment and the per-user state directory (nowhere else)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TOKEN_ENV = "THUNDERPOOL_TOKEN"
+
+
+def state_dir() -> Path:
+    """Where a node keeps its identity and cluster token: $THUNDERPOOL_HOME or ~/.thunderpool."""
+    env = os.environ.get("THUNDERPOOL_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".thunderpool"
+
+
+def token_from_env() -> str | None:
+    return os.environ.get(TOKEN_ENV) or None
