@@ -1,0 +1,126 @@
+"""Control plane without sockets: the pure reducer, HMAC signing, and the agent's refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from thunderpool import __version__
+from thunderpool.cluster.agent import Agent, create_agent_app
+from thunderpool.cluster.auth import AuthError, Identity, load_identity, sign, verify
+from thunderpool.cluster.messages import Hello, Interface, Left, LinkMeasured, NodeInfo
+from thunderpool.cluster.ranks import RankManager
+from thunderpool.cluster.state import ClusterState, apply
+
+
+def node(node_id: str, address: str, version: str = __version__) -> NodeInfo:
+    return NodeInfo(
+        node_id=node_id,
+        name=f"host-{node_id}",
+        port=7070,
+        version=version,
+        mlx_version="0.32",
+        python_version="3.11",
+        os="Linux",
+        chip="cpu",
+        cpu_count=2,
+        memory_total_bytes=2**34,
+        memory_available_bytes=2**33,
+        interfaces=(Interface(name="eth0", address=address, kind="ethernet"),),
+    )
+
+
+def link(a: str, b: str, rtt: float, bw: float = 1e9, addr: str = "10.0.0.2") -> LinkMeasured:
+    return LinkMeasured(
+        a=a, b=b, a_address="10.0.0.1", b_address=addr, rtt_s=rtt, bandwidth_Bps=bw, link="ethernet"
+    )
+
+
+def test_membership_and_links_follow_the_messages():
+    s = apply(ClusterState(), Hello(node=node("a", "10.0.0.1"), contact="10.0.0.1:7070"))
+    s = apply(s, Hello(node=node("b", "10.0.0.2"), contact="10.0.0.2:7070"))
+    assert sorted(s.nodes) == ["a", "b"] and s.epoch == 2
+    assert s.unprobed_pairs() == [("a", "b")]
+    s = apply(s, link("a", "b", 0.002))
+    assert s.link("b", "a").rtt_s == 0.002 and s.unprobed_pairs() == []
+    # A slower path does not replace the faster one; a much faster one does.
+    s = apply(s, link("a", "b", 0.009, addr="192.168.1.2"))
+    assert s.link("a", "b").rtt_s == 0.002
+    s = apply(s, link("a", "b", 0.0001, addr="169.254.0.2"))
+    assert s.link("a", "b").b_address == "169.254.0.2"
+    # Same hello again: nothing to re-probe. New addresses: its links are dropped.
+    assert apply(s, Hello(node=node("b", "10.0.0.2"))).link("a", "b") is not None
+    moved = apply(s, Hello(node=node("b", "10.0.0.9")))
+    assert moved.link("a", "b") is None and moved.epoch == s.epoch + 1
+    gone = apply(s, Left(node_id="b"))
+    assert list(gone.nodes) == ["a"] and gone.links == {} and "b" not in gone.contacts
+    # Links to unknown nodes are ignored.
+    assert apply(gone, link("a", "b", 0.001)).links == {}
+
+
+def test_signatures_verify_and_refuse():
+    body = b'{"x": 1}'
+    headers = sign("secret", body, ts=1000.0)
+    verify("secret", body, headers, now=1010.0)
+    with pytest.raises(AuthError, match="wrong cluster token"):
+        verify("other", body, headers, now=1010.0)
+    with pytest.raises(AuthError, match="wrong cluster token"):
+        verify("secret", b'{"x": 2}', headers, now=1010.0)
+    with pytest.raises(AuthError, match="stale"):
+        verify("secret", body, headers, now=2000.0)
+    with pytest.raises(AuthError, match="unsigned"):
+        verify("secret", body, {}, now=1000.0)
+
+
+def test_token_is_generated_once_then_reused(tmp_path, monkeypatch):
+    monkeypatch.delenv("THUNDERPOOL_TOKEN", raising=False)
+    first = load_identity(home=tmp_path)
+    again = load_identity(home=tmp_path)
+    assert first.created and not again.created
+    assert (first.token, first.node_id) == (again.token, again.node_id)
+    assert oct((tmp_path / "identity.json").stat().st_mode & 0o777) == "0o600"
+    assert load_identity("given", home=tmp_path).token == "given"
+
+
+@pytest.fixture
+def agent_client():
+    agent = Agent(
+        Identity("a", "secret", False), node("a", "10.0.0.1"), "10.0.0.1:7070", 7071, RankManager()
+    )
+    return TestClient(create_agent_app(agent)), agent
+
+
+def post(client, path: str, body: bytes, token: str | None):
+    headers = sign(token, body) if token else {}
+    return client.post(path, content=body, headers=headers)
+
+
+def test_agent_accepts_a_signed_hello_and_refuses_the_rest(agent_client):
+    client, agent = agent_client
+    hello = Hello(node=node("b", "10.0.0.2"), contact="10.0.0.2:7070").model_dump_json().encode()
+    assert post(client, "/v1/hello", hello, None).status_code == 401
+    r = post(client, "/v1/hello", hello, "wrong")
+    assert r.status_code == 401 and "wrong cluster token" in r.json()["detail"]
+    assert "b" not in agent.state.nodes
+    r = post(client, "/v1/hello", hello, "secret")
+    assert r.status_code == 200 and sorted(r.json()["nodes"]) == ["a", "b"]
+    assert agent.state.contacts["b"] == "testclient:7070"  # the address packets came from
+
+
+def test_agent_refuses_another_version_naming_both(agent_client):
+    client, agent = agent_client
+    old = Hello(node=node("c", "10.0.0.3", version="0.0.1")).model_dump_json().encode()
+    r = post(client, "/v1/hello", old, "secret")
+    assert r.status_code == 409
+    assert __version__ in r.json()["detail"] and "0.0.1" in r.json()["detail"]
+    assert "c" not in agent.state.nodes
+
+
+def test_agent_refuses_malformed_messages(agent_client):
+    client, _ = agent_client
+    for body in (b"garbage", b"{}", json.dumps({"kind": "hello", "node": 5}).encode()):
+        r = post(client, "/v1/hello", body, "secret")
+        assert r.status_code == 400, body
+    assert client.get("/v1/state").status_code == 401
