@@ -1,0 +1,326 @@
+"""A node's self-report (NodeInfo): hardware, versions, MLX backends and network interfaces.
+
+Each probe is a small parser over one command's text output, so tests feed recorded outputs from
+macOS and Linux through a fake `run`. Nothing is cached and nothing is sent over the network.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from thunderpool import __version__
+from thunderpool.cluster.messages import Interface, LinkKind, NodeInfo
+
+Runner = Callable[[Sequence[str]], tuple[int, str]]
+
+# jaccl (RDMA over Thunderbolt) ships with macOS 26.2.
+RDMA_MIN_MACOS = (26, 2)
+
+
+def subprocess_runner(argv: Sequence[str]) -> tuple[int, str]:
+    """Run argv and return (returncode, stdout); a missing command is 127, a hung one 124."""
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=15, check=False)
+    except FileNotFoundError:
+        return 127, ""
+    except subprocess.TimeoutExpired:
+        return 124, ""
+    return done.returncode, done.stdout
+
+
+def _output(run: Runner, *argv: str) -> str | None:
+    code, out = run(argv)
+    return out if code == 0 else None
+
+
+# ---- versions and hardware ------------------------------------------------------------------
+
+
+def parse_macos_version(text: str | None) -> tuple[int, ...] | None:
+    """`sw_vers -productVersion` ("26.2\\n") -> (26, 2); None when unreadable."""
+    match = re.match(r"\s*(\d+(?:\.\d+)*)", text or "")
+    return tuple(int(p) for p in match.group(1).split(".")) if match else None
+
+
+def version_text(version: tuple[int, ...]) -> str:
+    return ".".join(str(p) for p in version)
+
+
+def parse_cpuinfo(text: str) -> str:
+    """/proc/cpuinfo -> the CPU model; ARM boards without "model name" fall back to others."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+    for key in ("model name", "Hardware", "Model", "cpu model"):
+        if fields.get(key):
+            return fields[key]
+    return platform.machine() or "unknown"
+
+
+def parse_meminfo(text: str) -> tuple[int, int]:
+    """/proc/meminfo -> (MemTotal, MemAvailable) in bytes (the file counts in KiB)."""
+    values = {}
+    for line in text.splitlines():
+        match = re.match(r"(\w+):\s+(\d+)\s*kB", line)
+        if match:
+            values[match.group(1)] = int(match.group(2)) * 1024
+    if "MemTotal" not in values:
+        raise ValueError("/proc/meminfo has no MemTotal line; is /proc mounted?")
+    # MemAvailable exists since Linux 3.14; older kernels only report MemFree.
+    return values["MemTotal"], values.get("MemAvailable", values.get("MemFree", 0))
+
+
+def parse_memsize(text: str) -> int:
+    """`sysctl hw.memsize` ("hw.memsize: 68719476736") or `sysctl -n hw.memsize` -> bytes."""
+    return int(text.rsplit(":", 1)[-1].strip())
+
+
+def parse_vm_stat(text: str) -> int:
+    """`vm_stat` -> available bytes: free + inactive (+ speculative, which vm_stat keeps apart
+    from free) pages times the page size from its header."""
+    page = re.search(r"page size of (\d+) bytes", text)
+    page_size = int(page.group(1)) if page else 4096
+    pages = {k.strip(): int(v) for k, v in re.findall(r"^Pages ([\w ]+):\s+(\d+)\.", text, re.M)}
+    return page_size * sum(pages.get(k, 0) for k in ("free", "inactive", "speculative"))
+
+
+# ---- RDMA and backends ----------------------------------------------------------------------
+
+
+def parse_rdma_ctl(text: str | None) -> bool:
+    """`rdma_ctl status` prints "enabled" or "disabled"."""
+    words = re.findall(r"[a-z]+", (text or "").lower())
+    return "enabled" in words and "disabled" not in words and "not" not in words
+
+
+def parse_ibv_devices(text: str | None) -> tuple[str, ...]:
+    """`ibv_devices` -> the device names under its two header lines, e.g. ("rdma_en2",)."""
+    devices = []
+    for line in (text or "").splitlines():
+        fields = line.split()
+        if fields and fields[0] not in ("device", "------"):
+            devices.append(fields[0])
+    return tuple(devices)
+
+
+def backends(
+    macos: tuple[int, ...] | None, rdma_enabled: bool, has_mpirun: bool
+) -> tuple[str, ...]:
+    found = ["ring"]
+    if macos is not None and macos >= RDMA_MIN_MACOS and rdma_enabled:
+        found.append("jaccl")
+    if has_mpirun:
+        found.append("mpi")
+    return tuple(found)
+
+
+# ---- interfaces -----------------------------------------------------------------------------
+
+
+def parse_hardware_ports(text: str) -> dict[str, str]:
+    """`networksetup -listallhardwareports` -> {device: port}, e.g. {"en2": "Thunderbolt 1"}."""
+    ports: dict[str, str] = {}
+    port = None
+    for line in text.splitlines():
+        if line.startswith("Hardware Port:"):
+            port = line.split(":", 1)[1].strip()
+        elif line.startswith("Device:") and port is not None:
+            ports[line.split(":", 1)[1].strip()] = port
+            port = None
+    return ports
+
+
+def parse_ifconfig(text: str) -> dict[str, dict]:
+    """macOS `ifconfig` -> {name: {"flags", "inet" (IPv4 addresses), "members", "active"}}."""
+    found: dict[str, dict] = {}
+    current: dict | None = None
+    for line in text.splitlines():
+        head = re.match(r"^(\S+): flags=\w+<([^>]*)>", line)
+        if head:
+            current = {"flags": head.group(2).split(","), "inet": [], "members": []}
+            current["active"] = True
+            found[head.group(1)] = current
+            continue
+        if current is None:
+            continue
+        fields = line.split()
+        if fields[:1] == ["inet"] and len(fields) > 1:
+            current["inet"].append(fields[1])
+        elif fields[:1] == ["member:"] and len(fields) > 1:
+            current["members"].append(fields[1])
+        elif fields[:1] == ["status:"]:
+            current["active"] = fields[1:2] == ["active"]
+    return found
+
+
+def macos_kind(port: str | None) -> LinkKind:
+    """Classify a networksetup hardware port name."""
+    name = (port or "").lower()
+    if "wi-fi" in name or "airport" in name:
+        return "wifi"
+    # "Thunderbolt Ethernet Slot 1" is an Ethernet adapter that happens to sit on Thunderbolt.
+    if "ethernet" in name or "lan" in name:
+        return "ethernet"
+    if name.startswith("thunderbolt"):
+        return "thunderbolt"
+    return "other"
+
+
+def macos_interfaces(
+    ifconfig: str, hardware_ports: dict[str, str], rdma_devices: Sequence[str]
+) -> tuple[Interface, ...]:
+    found = []
+    for name, info in parse_ifconfig(ifconfig).items():
+        if "LOOPBACK" in info["flags"] or "UP" not in info["flags"]:
+            continue
+        kind = macos_kind(hardware_ports.get(name))
+        rdma = f"rdma_{name}" if f"rdma_{name}" in rdma_devices else None
+        if rdma is not None:
+            kind = "rdma"
+        for address in info["inet"]:
+            found.append(Interface(name=name, address=address, kind=kind, rdma_device=rdma))
+    return tuple(found)
+
+
+def linux_interfaces(ip_json: str, sys_net: Path) -> tuple[Interface, ...]:
+    """`ip -j addr` -> the up, non-loopback interfaces with an IPv4 address."""
+    found = []
+    for link in json.loads(ip_json or "[]"):
+        flags = link.get("flags", [])
+        if "LOOPBACK" in flags or "UP" not in flags:
+            continue
+        name = link["ifname"]
+        if (sys_net / name / "wireless").exists():
+            kind: LinkKind = "wifi"
+        elif link.get("link_type") == "ether":  # physical NICs, veth and bridges alike
+            kind = "ethernet"
+        else:  # tun, wireguard, infiniband...
+            kind = "other"
+        for addr in link.get("addr_info", []):
+            if addr.get("family") == "inet":
+                found.append(Interface(name=name, address=addr["local"], kind=kind))
+    return tuple(found)
+
+
+# ---- quick measurements ---------------------------------------------------------------------
+
+
+def _copy_size(available: int) -> int:
+    # Two arrays of at most 1/16 of free memory each, so a small node is not pushed into swap.
+    return max(16 * 2**20, min(128 * 2**20, available // 16))
+
+
+def _best_time(step: Callable[[], object], repeats: int, budget_s: float) -> float:
+    """Best wall time of `step` over up to `repeats` runs, stopping once `budget_s` is spent."""
+    best, spent = math.inf, 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        elapsed = time.perf_counter() - start
+        best, spent = min(best, elapsed), spent + elapsed
+        if spent > budget_s:
+            break
+    return best
+
+
+def measure_memory_bandwidth(nbytes: int = 128 * 2**20, repeats: int = 3) -> float:
+    """Bytes read + written per second by a numpy copy of `nbytes`, best of `repeats`."""
+    import numpy as np
+
+    src = np.ones(nbytes // 8, dtype=np.float64)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # the first copy faults dst's pages in; keep that out of the timing
+    return 2 * src.nbytes / _best_time(lambda: np.copyto(dst, src), repeats, budget_s=0.3)
+
+
+def measure_matmul_flops(n: int = 1024, repeats: int = 4) -> float:
+    """fp32 matmul FLOP/s on MLX's default device (the GPU on a Mac), best of `repeats`."""
+    import mlx.core as mx
+
+    a = mx.random.normal((n, n), dtype=mx.float32)
+    b = mx.random.normal((n, n), dtype=mx.float32)
+    mx.eval(mx.matmul(a, b))  # warm-up: kernel selection and allocation
+    return 2 * n**3 / _best_time(lambda: mx.eval(mx.matmul(a, b)), repeats, budget_s=0.5)
+
+
+def mlx_version() -> str:
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return "not installed"
+    return mx.__version__
+
+
+# ---- the report -----------------------------------------------------------------------------
+
+
+def node_info(
+    port: int,
+    node_id: str,
+    measure: bool = True,
+    run: Runner = subprocess_runner,
+    *,
+    system: str | None = None,
+    root: Path = Path("/"),
+) -> NodeInfo:
+    """This node's NodeInfo. `system` ("Darwin"/"Linux") and `root` (where /proc and /sys are)
+    exist so tests can replay another machine's recorded outputs."""
+    system = system or platform.system()
+    rdma_devices: tuple[str, ...] = ()
+    rdma_enabled = False
+    macos = None
+    if system == "Darwin":
+        macos = parse_macos_version(_output(run, "sw_vers", "-productVersion"))
+        os_name = f"macOS {version_text(macos)}" if macos else f"macOS {platform.mac_ver()[0]}"
+        chip = (_output(run, "sysctl", "-n", "machdep.cpu.brand_string") or "").strip()
+        total = parse_memsize(_output(run, "sysctl", "-n", "hw.memsize") or "0")
+        available = parse_vm_stat(_output(run, "vm_stat") or "")
+        rdma_enabled = parse_rdma_ctl(_output(run, "rdma_ctl", "status"))
+        rdma_devices = parse_ibv_devices(_output(run, "ibv_devices"))
+        interfaces = macos_interfaces(
+            _output(run, "ifconfig") or "",
+            parse_hardware_ports(_output(run, "networksetup", "-listallhardwareports") or ""),
+            rdma_devices,
+        )
+    else:
+        os_name = f"{system} {platform.release()}"
+        chip = parse_cpuinfo((root / "proc/cpuinfo").read_text())
+        total, available = parse_meminfo((root / "proc/meminfo").read_text())
+        interfaces = linux_interfaces(
+            _output(run, "ip", "-j", "addr") or "[]", root / "sys/class/net"
+        )
+    rdma = macos is not None and macos >= RDMA_MIN_MACOS and rdma_enabled
+    has_mpirun = run(("mpirun", "--version"))[0] == 0
+    return NodeInfo(
+        node_id=node_id,
+        name=socket.gethostname(),
+        port=port,
+        version=__version__,
+        mlx_version=mlx_version(),
+        python_version=platform.python_version(),
+        os=os_name,
+        chip=chip or platform.processor() or platform.machine(),
+        cpu_count=os.cpu_count() or 1,
+        memory_total_bytes=total,
+        memory_available_bytes=available,
+        mem_bw_Bps=measure_memory_bandwidth(_copy_size(available)) if measure else 0.0,
+        flops=measure_matmul_flops() if measure else 0.0,
+        backends=backends(macos, rdma, has_mpirun),
+        rdma=rdma,
+        interfaces=interfaces,
+    )
+
+
+if __name__ == "__main__":  # a quick look: python -m thunderpool.cluster.capabilities
+    print(node_info(0, "local").model_dump_json(indent=2))

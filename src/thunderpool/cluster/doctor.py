@@ -1,0 +1,432 @@
+"""`thunderpool doctor`: check this node for a working cluster and say how to fix each problem.
+
+`run_checks` is pure given its probes (`run` for commands, `bind`/`connect` for sockets), so
+tests replay recorded macOS outputs on Linux. The Mac checks follow MLX's RDMA-over-Thunderbolt
+setup: macOS 26.2+, RDMA enabled from Recovery, TB5 links, no Thunderbolt Bridge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import platform
+import re
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from thunderpool import __version__
+from thunderpool.cluster.capabilities import (
+    RDMA_MIN_MACOS,
+    Runner,
+    parse_ibv_devices,
+    parse_ifconfig,
+    parse_macos_version,
+    parse_rdma_ctl,
+    subprocess_runner,
+    version_text,
+)
+from thunderpool.cluster.messages import NodeInfo
+
+Status = Literal["PASS", "WARN", "FAIL", "SKIP"]
+
+# Mirrors `thunderpool node --port` (the probe listens on port+1) and the start of the
+# coordinator's ring port range (RING_PORT_BASE); a sample of it is checked.
+AGENT_PORT = 7070
+RING_PORTS = (29500, 29531)
+FIREWALL = "/usr/libexec/ApplicationFirewall/socketfilterfw"
+RECOVERY = (
+    "RDMA can only be enabled from Recovery: shut down, hold the power button until "
+    "'Loading startup options', choose Options → Terminal, run `rdma_ctl enable`, reboot"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+
+Bind = Callable[[int], OSError | None]
+Connect = Callable[[str, int, float], OSError | None]
+MlxProbe = Callable[[], tuple[str | None, bool, str]]
+
+
+def try_bind(port: int) -> OSError | None:
+    """Listen on all interfaces at `port` for an instant; the error if that is refused."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # Like the real servers, so a recently closed connection (TIME_WAIT) does not count.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+            s.listen(1)
+        except OSError as e:
+            return e
+    return None
+
+
+def try_connect(host: str, port: int, timeout: float) -> OSError | None:
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        return e
+    return None
+
+
+def probe_mlx() -> tuple[str | None, bool, str]:
+    """(MLX version or None, whether the ring backend is available, import error text)."""
+    try:
+        import mlx.core as mx
+    except Exception as e:  # a broken wheel raises more than ImportError
+        return None, False, f"{type(e).__name__}: {e}"
+    return mx.__version__, bool(mx.distributed.is_available("ring")), ""
+
+
+# ---- macOS checks ---------------------------------------------------------------------------
+
+
+def check_macos(version: tuple[int, ...] | None) -> Check:
+    name = "macOS version"
+    fix = "RDMA over Thunderbolt needs macOS 26.2 or later: Software Update"
+    if version is None:
+        return Check(name, "FAIL", "cannot read `sw_vers -productVersion`", fix)
+    if version < RDMA_MIN_MACOS:
+        return Check(name, "FAIL", f"macOS {version_text(version)} < 26.2", fix)
+    return Check(name, "PASS", f"macOS {version_text(version)}")
+
+
+def check_rdma(version: tuple[int, ...] | None, code: int, out: str) -> Check:
+    name = "RDMA enabled"
+    if version is None or version < RDMA_MIN_MACOS or code == 127:
+        return Check(name, "SKIP", "no `rdma_ctl` before macOS 26.2", "update macOS first")
+    if code == 0 and parse_rdma_ctl(out):
+        return Check(name, "PASS", "`rdma_ctl status`: enabled")
+    said = out.strip() or f"exit code {code}"
+    return Check(name, "FAIL", f"`rdma_ctl status`: {said}", RECOVERY)
+
+
+def parse_thunderbolt_ports(text: str) -> list[tuple[bool, int]]:
+    """`system_profiler SPThunderboltDataType` -> (device connected, Gb/s) for each port of
+    this Mac; a connected device's "Port (Upstream)" is the same link seen from the far end."""
+    ports: list[tuple[bool, int]] = []
+    host_port = connected = False
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("Port"):
+            host_port = line == "Port:"
+        elif line.startswith("Status:"):
+            connected = line.split(":", 1)[1].strip().lower() == "device connected"
+        speed = re.match(r"Speed: Up to (\d+) Gb/s", line)
+        if speed and host_port:
+            ports.append((connected, int(speed.group(1))))
+    return ports
+
+
+def check_thunderbolt(code: int, out: str) -> Check:
+    name = "Thunderbolt 5"
+    tb5_fix = (
+        "connect the Macs with Thunderbolt 5 ports and TB5 cables (80 Gb/s); Thunderbolt 4 "
+        "works, but at half the bandwidth and without RDMA"
+    )
+    ports = parse_thunderbolt_ports(out) if code == 0 else []
+    if not ports:
+        return Check(name, "WARN", "no Thunderbolt ports found by system_profiler", tb5_fix)
+    links = [gbps for connected, gbps in ports if connected]
+    if not links:
+        fastest = max(gbps for _, gbps in ports)
+        detail = f"no Thunderbolt device connected (ports up to {fastest} Gb/s)"
+        return Check(name, "WARN", detail, tb5_fix)
+    slow = [gbps for gbps in links if gbps < 80]
+    speeds = ", ".join(f"{gbps} Gb/s" for gbps in links)
+    if slow:
+        return Check(name, "WARN", f"Thunderbolt 4 link(s): {speeds}", tb5_fix)
+    return Check(name, "PASS", f"{len(links)} Thunderbolt 5 link(s): {speeds}")
+
+
+def check_bridge(services: tuple[int, str], ifconfig: tuple[int, str]) -> Check:
+    name = "Thunderbolt Bridge"
+    fix = (
+        'sudo networksetup -setnetworkserviceenabled "Thunderbolt Bridge" off  '
+        "(RDMA needs each Thunderbolt link on its own network, not one bridge over all)"
+    )
+    code, out = services
+    if code == 0:
+        # networksetup marks a disabled service with a leading '*'.
+        for line in out.splitlines():
+            if line.strip() == "Thunderbolt Bridge":
+                return Check(name, "FAIL", "the Thunderbolt Bridge service is enabled", fix)
+            if line.strip() == "*Thunderbolt Bridge":
+                return Check(name, "PASS", "the Thunderbolt Bridge service is disabled")
+    bridge = parse_ifconfig(ifconfig[1]).get("bridge0") if ifconfig[0] == 0 else None
+    if bridge and bridge["members"] and bridge["active"]:
+        members = ", ".join(bridge["members"])
+        return Check(name, "FAIL", f"bridge0 is active and bridges {members}", fix)
+    return Check(name, "PASS", "no active Thunderbolt Bridge")
+
+
+def check_ibv(version: tuple[int, ...] | None, rdma_check: Check, code: int, out: str) -> Check:
+    name = "RDMA devices"
+    if version is None or version < RDMA_MIN_MACOS or code == 127:
+        return Check(name, "SKIP", "no `ibv_devices` before macOS 26.2", "update macOS first")
+    if rdma_check.status != "PASS":
+        return Check(name, "SKIP", "RDMA is not enabled (see above)", RECOVERY)
+    devices = parse_ibv_devices(out) if code == 0 else ()
+    if not devices:
+        fix = (
+            "connect another Mac with a Thunderbolt 5 cable straight between the two (no dock "
+            "or hub); `ibv_devices` lists one rdma_enN per live TB5 link"
+        )
+        return Check(name, "FAIL", "`ibv_devices` lists no device", fix)
+    return Check(name, "PASS", "`ibv_devices`: " + ", ".join(devices))
+
+
+def check_firewall(code: int, out: str) -> Check:
+    name = "firewall"
+    python = sys.executable
+    fix = (
+        f'allow incoming connections to Python: sudo {FIREWALL} --add "{python}" && sudo '
+        f'{FIREWALL} --unblockapp "{python}"  (or System Settings → Network → Firewall → off)'
+    )
+    state = re.search(r"State = (\d)", out) if code == 0 else None
+    if state is None:
+        return Check(name, "WARN", "cannot read the application firewall's state", fix)
+    match state.group(1):
+        case "0":
+            return Check(name, "PASS", "application firewall is off")
+        case "1":
+            return Check(name, "WARN", "application firewall is on: it may block the ports", fix)
+    block_all = (
+        'System Settings → Network → Firewall → Options: untick "Block all incoming connections"'
+    )
+    return Check(name, "FAIL", "application firewall blocks all incoming connections", block_all)
+
+
+# ---- checks that apply everywhere -----------------------------------------------------------
+
+
+def check_mlx(mlx: tuple[str | None, bool, str], macos: bool) -> list[Check]:
+    version, ring, error = mlx
+    install = 'pip install "mlx"' if macos else 'pip install "mlx[cpu]"'
+    if version is None:
+        return [
+            Check("MLX", "FAIL", f"`import mlx.core` failed: {error}", install),
+            Check("ring backend", "SKIP", "MLX does not import"),
+        ]
+    ring_check = (
+        Check("ring backend", "PASS", "mx.distributed ring is available")
+        if ring
+        else Check(
+            "ring backend",
+            "FAIL",
+            "mx.distributed.is_available('ring') is False",
+            f"reinstall a full MLX build: {install} --force-reinstall",
+        )
+    )
+    return [Check("MLX", "PASS", f"mlx {version} imports"), ring_check]
+
+
+def _bind_failure(err: OSError) -> Status:
+    return "WARN" if err.errno == errno.EADDRINUSE else "FAIL"
+
+
+def check_ports(port: int, ring_ports: tuple[int, int], bind: Bind) -> list[Check]:
+    checks = []
+    for label, p in (("agent port", port), ("probe port", port + 1)):
+        err = bind(p)
+        if err is None:
+            checks.append(Check(label, "PASS", f"{p} can be bound"))
+        else:
+            fix = (
+                f"if `thunderpool node` runs here it holds {p}; otherwise stop what holds it "
+                f"or use `thunderpool node --port` with a free port"
+            )
+            checks.append(Check(label, _bind_failure(err), f"cannot bind {p}: {err}", fix))
+    first, last = ring_ports
+    failed = {p: err for p in range(first, last + 1) if (err := bind(p)) is not None}
+    if not failed:
+        checks.append(Check("ring ports", "PASS", f"{first}-{last} can be bound"))
+    else:
+        status: Status = "FAIL" if "FAIL" in map(_bind_failure, failed.values()) else "WARN"
+        listed = ", ".join(str(p) for p in list(failed)[:8]) + (", ..." if len(failed) > 8 else "")
+        detail = f"{len(failed)} of {first}-{last} cannot be bound: {listed}"
+        fix = "stop the processes holding them (`lsof -i :PORT`) or rank processes left running"
+        checks.append(Check("ring ports", status, detail, fix))
+    return checks
+
+
+def parse_peer(text: str) -> tuple[str, int]:
+    """ "host:port" or "[v6]:port" -> (host, port); ValueError naming the bad value."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"peer '{text}' is not host:port, e.g. 192.168.1.20:{AGENT_PORT}")
+    return host, int(port)
+
+
+def check_peers(peers: Sequence[str], connect: Connect) -> list[Check]:
+    checks = []
+    for peer in peers:
+        try:
+            host, port = parse_peer(peer)
+        except ValueError as e:
+            checks.append(Check(f"peer {peer}", "FAIL", str(e), "pass --peers HOST:PORT"))
+            continue
+        err = connect(host, port, 2.0)
+        if err is None:
+            checks.append(Check(f"peer {peer}", "PASS", f"TCP connect to {host}:{port}"))
+        else:
+            fix = (
+                f"start `thunderpool node --port {port}` on {host}, check that both machines "
+                f"share a network, and that {host}'s firewall allows the port"
+            )
+            detail = f"cannot connect to {host}:{port} within 2 s: {err}"
+            checks.append(Check(f"peer {peer}", "FAIL", detail, fix))
+    return checks
+
+
+def check_versions(mlx_version: str | None, peer_infos: Sequence[NodeInfo]) -> Check:
+    name = "same versions"
+    if not peer_infos:
+        note = "no peer reports to compare (a running cluster compares them when nodes join)"
+        return Check(name, "SKIP", note)
+    ours = f"thunderpool {__version__} / mlx {mlx_version}"
+    odd = [
+        f"{p.name} has thunderpool {p.version} / mlx {p.mlx_version}"
+        for p in peer_infos
+        if (p.version, p.mlx_version) != (__version__, mlx_version)
+    ]
+    if odd:
+        fix = f"on every node: pip install thunderpool=={__version__} mlx=={mlx_version}"
+        return Check(name, "FAIL", f"this node has {ours}; " + "; ".join(odd), fix)
+    return Check(name, "PASS", f"{len(peer_infos)} peer(s) run {ours}")
+
+
+def run_checks(
+    platform_name: str,
+    run: Runner,
+    peers: Sequence[str] = (),
+    peer_infos: Sequence[NodeInfo] = (),
+    *,
+    port: int = AGENT_PORT,
+    ring_ports: tuple[int, int] = RING_PORTS,
+    bind: Bind = try_bind,
+    connect: Connect = try_connect,
+    mlx: MlxProbe = probe_mlx,
+) -> list[Check]:
+    """Every check for a node on `platform_name` (platform.system(): "Darwin", "Linux")."""
+    macos = platform_name == "Darwin"
+    checks: list[Check] = []
+    if macos:
+        version = parse_macos_version(run(("sw_vers", "-productVersion"))[1])
+        rdma = check_rdma(version, *run(("rdma_ctl", "status")))
+        checks += [
+            check_macos(version),
+            rdma,
+            check_thunderbolt(*run(("system_profiler", "SPThunderboltDataType"))),
+            check_bridge(run(("networksetup", "-listallnetworkservices")), run(("ifconfig",))),
+            check_ibv(version, rdma, *run(("ibv_devices",))),
+        ]
+    else:
+        names = ("macOS version", "RDMA enabled", "Thunderbolt 5", "Thunderbolt Bridge")
+        checks += [Check(n, "SKIP", "not macOS") for n in (*names, "RDMA devices")]
+    mlx_info = mlx()
+    checks += check_mlx(mlx_info, macos)
+    if platform_name == "Linux":
+        code, _ = run(("ip", "-V"))
+        checks.append(
+            Check("ip command", "PASS", "`ip` (iproute2) is installed")
+            if code == 0
+            else Check(
+                "ip command", "FAIL", "`ip` not found", "apt-get install iproute2 (or dnf ...)"
+            )
+        )
+    checks += check_ports(port, ring_ports, bind)
+    if macos:
+        checks.append(check_firewall(*run((FIREWALL, "--getglobalstate"))))
+    else:
+        checks.append(Check("firewall", "SKIP", "not macOS"))
+    checks += check_peers(peers, connect)
+    checks.append(check_versions(mlx_info[0], peer_infos))
+    return checks
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+
+def _peer_arg(text: str) -> str:
+    try:
+        parse_peer(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _range_arg(text: str) -> tuple[int, int]:
+    first, _, last = text.partition("-")
+    if first.isdigit() and (last or first).isdigit() and 0 < int(first) <= int(last or first):
+        if int(last or first) < 65536:
+            return int(first), int(last or first)
+    raise argparse.ArgumentTypeError(f"'{text}' is not a port range like 29500-29531")
+
+
+def add_doctor_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "doctor", help="check this node for a working cluster and print a fix for each problem"
+    )
+    p.add_argument(
+        "--peers",
+        nargs="*",
+        default=[],
+        type=_peer_arg,
+        metavar="HOST:PORT",
+        help="other nodes' agents to try a TCP connection to",
+    )
+    p.add_argument(
+        "--port", type=int, default=AGENT_PORT, help=f"agent port to check (default {AGENT_PORT})"
+    )
+    p.add_argument(
+        "--ring-ports",
+        type=_range_arg,
+        default=RING_PORTS,
+        metavar="FIRST-LAST",
+        help=f"MLX ring ports to check (default {RING_PORTS[0]}-{RING_PORTS[1]})",
+    )
+
+
+STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red", "SKIP": "dim"}
+
+
+def print_checks(checks: Sequence[Check]) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="thunderpool doctor", show_lines=False)
+    for column in ("check", "result", "detail", "fix"):
+        table.add_column(column, overflow="fold")
+    for c in checks:
+        table.add_row(
+            escape(c.name), f"[{STYLE[c.status]}]{c.status}[/]", escape(c.detail), escape(c.fix)
+        )
+    console = Console()
+    console.print(table)
+    counts = {s: sum(c.status == s for c in checks) for s in STYLE}
+    console.print(", ".join(f"{n} {s.lower()}" for s, n in counts.items()))
+
+
+def doctor_main(args: argparse.Namespace, peer_infos: Sequence[NodeInfo] = ()) -> int:
+    """Print the checks; exit 0 when none failed, else 1."""
+    checks = run_checks(
+        platform.system(),
+        subprocess_runner,
+        peers=args.peers,
+        peer_infos=peer_infos,
+        port=args.port,
+        ring_ports=args.ring_ports,
+    )
+    print_checks(checks)
+    return 1 if any(c.status == "FAIL" for c in checks) else 0

@@ -1,0 +1,148 @@
+"""node_info on recorded Linux and macOS outputs (exact values), and once for real on this box."""
+
+from __future__ import annotations
+
+import platform
+import socket
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from recorded.replay import RECORDED, Replay
+
+from thunderpool import __version__
+from thunderpool.cluster.capabilities import (
+    backends,
+    node_info,
+    parse_cpuinfo,
+    parse_hardware_ports,
+    parse_ibv_devices,
+    parse_macos_version,
+    parse_meminfo,
+    parse_rdma_ctl,
+    parse_vm_stat,
+)
+from thunderpool.cluster.messages import Interface
+
+LINUX = RECORDED / "linux"
+
+
+def iface(name: str, address: str, kind: str, rdma: str | None = None) -> Interface:
+    return Interface(name=name, address=address, kind=kind, rdma_device=rdma)
+
+
+def test_linux_recorded_node_info():
+    run = Replay("linux")
+    info = node_info(7070, "n1", measure=False, run=run, system="Linux", root=LINUX)
+    # lo is loopback, docker0 is down, enp6s0 has only IPv6: none of them is reported.
+    assert info.interfaces == (
+        iface("enp5s0", "192.168.1.30", "ethernet"),
+        iface("wlp3s0", "192.168.1.31", "wifi"),
+        iface("veth-tp1", "10.77.0.1", "ethernet"),
+        iface("wg0", "10.8.0.2", "other"),
+    )
+    assert info.memory_total_bytes == 65776532 * 1024 == 67355168768
+    assert info.memory_available_bytes == 58114316 * 1024 == 59509059584
+    assert info.chip == "AMD Ryzen 9 7950X 16-Core Processor"
+    assert info.os == f"Linux {platform.release()}"
+    assert (info.node_id, info.port, info.name) == ("n1", 7070, socket.gethostname())
+    assert (info.version, info.mlx_version) == (__version__, mx.__version__)
+    assert info.python_version == platform.python_version()
+    assert info.backends == ("ring",) and info.rdma is False
+    assert (info.mem_bw_Bps, info.flops) == (0.0, 0.0)
+    # Nothing Mac-only was asked on Linux.
+    assert set(run.calls) == {("ip", "-j", "addr"), ("mpirun", "--version")}
+
+
+def test_macos_26_rdma_tb5_node_info():
+    info = node_info(7070, "m1", measure=False, run=Replay("macos26_rdma_tb5"), system="Darwin")
+    # en2 has no IPv4 address; en3/en4 carry the RDMA links ibv_devices lists; bridge0 is down.
+    assert info.interfaces == (
+        iface("en0", "192.168.1.20", "ethernet"),
+        iface("en1", "192.168.1.21", "wifi"),
+        iface("en3", "192.168.0.1", "rdma", "rdma_en3"),
+        iface("en4", "192.168.0.5", "rdma", "rdma_en4"),
+    )
+    assert info.os == "macOS 26.2"
+    assert info.chip == "Apple M3 Ultra"
+    assert info.memory_total_bytes == 549755813888
+    # free + inactive + speculative pages of 16 KiB.
+    assert info.memory_available_bytes == (20185311 + 5011722 + 93417) * 16384 == 414358732800
+    assert info.rdma is True
+    assert info.backends == ("ring", "jaccl")
+
+
+def test_macos_15_node_info_has_no_rdma():
+    info = node_info(7070, "m2", measure=False, run=Replay("macos15"), system="Darwin")
+    # The bridge (default on) holds the only Thunderbolt address.
+    assert info.interfaces == (
+        iface("en0", "10.0.0.42", "wifi"),
+        iface("bridge0", "169.254.118.9", "thunderbolt"),
+    )
+    assert (info.os, info.chip) == ("macOS 15.5", "Apple M2 Max")
+    assert info.memory_total_bytes == 34359738368
+    assert info.memory_available_bytes == (31207 + 772960 + 12014) * 16384 == 13372309504
+    assert (info.rdma, info.backends) == (False, ("ring",))
+
+
+def test_macos_26_rdma_disabled_has_no_jaccl():
+    info = node_info(7070, "m3", measure=False, run=Replay("macos26_rdma_off_tb4"), system="Darwin")
+    assert (info.rdma, info.backends) == (False, ("ring",))
+
+
+def test_mpirun_on_path_adds_mpi():
+    def run(argv):
+        return (0, "mpirun (Open MPI) 5.0.6\n") if argv[0] == "mpirun" else Replay("linux")(argv)
+
+    info = node_info(1, "n", measure=False, run=run, system="Linux", root=LINUX)
+    assert info.backends == ("ring", "mpi")
+
+
+def test_parsers_edge_cases():
+    assert parse_macos_version("26.2\n") == (26, 2)
+    assert parse_macos_version("15.7.1") == (15, 7, 1)
+    assert parse_macos_version("") is None and parse_macos_version(None) is None
+    assert parse_rdma_ctl("enabled\n") is True
+    assert parse_rdma_ctl("disabled\n") is False
+    assert parse_rdma_ctl("RDMA is not enabled") is False
+    assert parse_rdma_ctl(None) is False
+    assert parse_ibv_devices((RECORDED / "macos26_rdma_tb5/ibv_devices.txt").read_text()) == (
+        "rdma_en3",
+        "rdma_en4",
+    )
+    assert parse_ibv_devices((RECORDED / "macos26_rdma_off_tb4/ibv_devices.txt").read_text()) == ()
+    ports = parse_hardware_ports(
+        (RECORDED / "macos15/networksetup_listallhardwareports.txt").read_text()
+    )
+    assert ports == {
+        "en0": "Wi-Fi",
+        "bridge0": "Thunderbolt Bridge",
+        "en1": "Thunderbolt 1",
+        "en2": "Thunderbolt 2",
+    }
+    assert parse_vm_stat("Pages free: 10.\nPages inactive: 5.\n") == 15 * 4096  # no header
+    assert parse_cpuinfo("processor\t: 0\nHardware\t: BCM2835\n") == "BCM2835"
+    assert backends((26, 1), True, False) == ("ring",)
+    assert backends((26, 2), True, False) == ("ring", "jaccl")
+
+
+def test_meminfo_without_memtotal_names_the_file():
+    with pytest.raises(ValueError, match="MemTotal"):
+        parse_meminfo("MemFree: 1 kB\n")
+
+
+def test_real_node_info_on_this_machine():
+    """Unfaked: real commands, real /proc and real measurements on this Linux box."""
+    if platform.system() != "Linux":
+        pytest.skip("compares against /proc/meminfo")
+    info = node_info(7070, "real")
+    total_kib = next(
+        int(line.split()[1])
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemTotal:")
+    )
+    assert info.memory_total_bytes == total_kib * 1024
+    assert 0 < info.memory_available_bytes <= info.memory_total_bytes
+    assert info.mem_bw_Bps > 0 and info.flops > 0
+    assert "ring" in info.backends
+    assert all(i.kind != "loopback" and not i.address.startswith("127.") for i in info.interfaces)
