@@ -117,6 +117,40 @@ def ring_hostfile(state: ClusterState, order: list[str], base_port: int) -> str:
     return json.dumps(entries)
 
 
+def jaccl_config(state: ClusterState, order: list[str], port: int) -> dict[str, str] | None:
+    """MLX jaccl settings when every pair of ranks has an RDMA device, else None.
+
+    devices[i][j] names node i's RDMA device on its link to node j (None on the diagonal);
+    rank 0's address on its first link is the coordinator every rank dials.
+    """
+    import json
+
+    if len(order) < 2 or len(set(order)) < len(order):
+        return None
+    if not all("jaccl" in state.nodes[n].backends for n in order):
+        return None
+    devices = []
+    for i, a in enumerate(order):
+        row = []
+        for j, b in enumerate(order):
+            link = state.link(a, b) if i != j else None
+            if i != j and (link is None or link.link != "rdma"):
+                return None
+            mine = None if link is None else (link.a_address if link.a == a else link.b_address)
+            device = (
+                next((x.rdma_device for x in state.nodes[a].interfaces if x.address == mine), None)
+                if mine
+                else None
+            )
+            if i != j and device is None:
+                return None
+            row.append(device)
+        devices.append(row)
+    first = state.link(order[0], order[1])
+    leader_ip = first.a_address if first.a == order[0] else first.b_address
+    return {"MLX_IBV_DEVICES": json.dumps(devices), "MLX_JACCL_COORDINATOR": f"{leader_ip}:{port}"}
+
+
 def plan_layout(plan: Plan) -> dict:
     """RankJob fields for a plan (hybrid plans run as PP over their nodes for now)."""
     if plan.kind == "tp":

@@ -89,8 +89,10 @@ class RankSpec(Wire):
     rank: int
     world_size: int
     job: str  # engine.job.RankJob as JSON
-    env: dict[str, str] = Field(default_factory=dict)  # MLX_HOSTFILE contents etc.
-    hostfile: str | None = None  # ring hostfile JSON written by the agent, path set in env
+    env: dict[str, str] = Field(default_factory=dict)
+    # Files the agent writes before starting the rank, each path exported as the env var named
+    # by its key: MLX_HOSTFILE (ring) or MLX_IBV_DEVICES (jaccl's RDMA device matrix).
+    files: dict[str, str] = Field(default_factory=dict)
 
 
 class StartRanks(Wire):

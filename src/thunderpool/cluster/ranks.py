@@ -58,10 +58,10 @@ class RankManager:
         job_file = tmp / f"job-{spec.rank}.json"
         job_file.write_text(job.model_dump_json())
         env = {**os.environ, **spec.env, "MLX_RANK": str(spec.rank)}
-        if spec.hostfile is not None:
-            hostfile = tmp / "hosts.json"
-            hostfile.write_text(spec.hostfile)
-            env["MLX_HOSTFILE"] = str(hostfile)
+        for var, content in spec.files.items():
+            path = tmp / f"{var.lower()}-{spec.rank}.json"
+            path.write_text(content)
+            env[var] = str(path)
         proc = subprocess.Popen(
             [sys.executable, "-m", "thunderpool.engine.worker", str(job_file)],
             env=env,

@@ -1,0 +1,91 @@
+"""How a plan becomes MLX configuration: ring hostfiles over the measured links, and jaccl's
+RDMA device matrix where every pair of Macs has an RDMA link."""
+
+from __future__ import annotations
+
+import json
+
+from thunderpool.cluster.coordinator import jaccl_config, ring_hostfile
+from thunderpool.cluster.messages import Hello, Interface, LinkMeasured, NodeInfo
+from thunderpool.cluster.state import ClusterState, apply
+
+
+def mac(node_id: str, links: dict[str, tuple[str, str]], rdma: bool = True) -> NodeInfo:
+    """links: peer -> (my address towards it, my interface)."""
+    ifaces = tuple(
+        Interface(
+            name=ifname,
+            address=addr,
+            kind="rdma" if rdma else "thunderbolt",
+            rdma_device=f"rdma_{ifname}" if rdma else None,
+        )
+        for addr, ifname in links.values()
+    )
+    return NodeInfo(
+        node_id=node_id,
+        name=node_id,
+        port=7070,
+        version="0.1.0",
+        mlx_version="0.32",
+        python_version="3.12",
+        os="macOS 26.2",
+        chip="Apple M3 Ultra",
+        cpu_count=32,
+        memory_total_bytes=512 << 30,
+        memory_available_bytes=480 << 30,
+        backends=("ring", "jaccl") if rdma else ("ring",),
+        rdma=rdma,
+        interfaces=ifaces,
+    )
+
+
+# Three Macs wired pairwise by Thunderbolt: each pair on its own /30 network.
+WIRING = {
+    ("a", "b"): (("169.254.1.1", "en2"), ("169.254.1.2", "en2")),
+    ("a", "c"): (("169.254.2.1", "en3"), ("169.254.2.2", "en2")),
+    ("b", "c"): (("169.254.3.1", "en3"), ("169.254.3.2", "en3")),
+}
+
+
+def cluster(rdma: bool = True) -> ClusterState:
+    mine: dict[str, dict] = {"a": {}, "b": {}, "c": {}}
+    for (x, y), (ax, ay) in WIRING.items():
+        mine[x][y], mine[y][x] = ax, ay
+    state = ClusterState()
+    for n in "abc":
+        state = apply(state, Hello(node=mac(n, mine[n], rdma), contact=f"10.0.0.{ord(n)}:7070"))
+    for (x, y), (ax, ay) in WIRING.items():
+        state = apply(
+            state,
+            LinkMeasured(
+                a=x,
+                b=y,
+                a_address=ax[0],
+                b_address=ay[0],
+                rtt_s=10e-6,
+                bandwidth_Bps=8e9,
+                link="rdma" if rdma else "thunderbolt",
+            ),
+        )
+    return state
+
+
+def test_ring_hostfile_uses_each_ranks_address_on_the_link_from_its_predecessor():
+    hosts = json.loads(ring_hostfile(cluster(), ["a", "b", "c"], 29500))
+    # rank 0 (a) is reached from c over a-c, rank 1 (b) from a over a-b, rank 2 (c) from b.
+    assert hosts == [["169.254.2.1:29500"], ["169.254.1.2:29501"], ["169.254.3.2:29502"]]
+
+
+def test_jaccl_device_matrix_and_coordinator():
+    cfg = jaccl_config(cluster(), ["a", "b", "c"], 29600)
+    assert json.loads(cfg["MLX_IBV_DEVICES"]) == [
+        [None, "rdma_en2", "rdma_en3"],
+        ["rdma_en2", None, "rdma_en3"],
+        ["rdma_en2", "rdma_en3", None],
+    ]
+    assert cfg["MLX_JACCL_COORDINATOR"] == "169.254.1.1:29600"
+
+
+def test_no_jaccl_without_rdma_on_every_pair():
+    assert jaccl_config(cluster(rdma=False), ["a", "b", "c"], 29600) is None
+    assert jaccl_config(cluster(), ["a"], 29600) is None
