@@ -186,16 +186,25 @@ class ClusterInstance:
     def start(self) -> None:
         n = len(self.order)
         port = RING_PORT_BASE + (int(self.instance_id, 16) % 2000) * 4
-        hostfile = ring_hostfile(self.state, self.order, port) if n > 1 else None
+        files, env, job = {}, {}, self.job
+        jaccl = jaccl_config(self.state, self.order, port)
+        if jaccl is not None:
+            # RDMA between every pair: MLX's jaccl backend instead of TCP ring.
+            files["MLX_IBV_DEVICES"] = jaccl["MLX_IBV_DEVICES"]
+            env["MLX_JACCL_COORDINATOR"] = jaccl["MLX_JACCL_COORDINATOR"]
+            job = job.model_copy(update={"backend": "jaccl"})
+        elif n > 1:
+            files["MLX_HOSTFILE"] = ring_hostfile(self.state, self.order, port)
+        self.backend = job.backend
         for node in self.nodes:
             specs = tuple(
                 RankSpec(
                     instance_id=self.instance_id,
                     rank=r,
                     world_size=n,
-                    job=self.job.model_dump_json(),
-                    hostfile=hostfile,
-                    env={"THUNDERPOOL_NODE": node},
+                    job=job.model_dump_json(),
+                    files=files,
+                    env=env | {"THUNDERPOOL_NODE": node},
                 )
                 for r, owner in enumerate(self.order)
                 if owner == node
