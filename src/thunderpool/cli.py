@@ -173,6 +173,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_ints,
         help="also measure continuous batching at these stream counts, e.g. 1,4,8",
     )
+    bench.add_argument(
+        "--cluster",
+        action="store_true",
+        help="instead, run the planner's best plans on the cluster and compare "
+        "predicted with measured decode tok/s",
+    )
+    from thunderpool.cluster.cli import add_cluster_args as _cluster_args
+
+    _cluster_args(bench)
     return parser
 
 

@@ -200,6 +200,15 @@ def import_gguf(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
+    if args.cluster:
+        import json
+
+        from thunderpool.bench.accuracy import planner_accuracy
+
+        rows = planner_accuracy(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return 0
     from thunderpool.bench.engine_bench import run_bench
     from thunderpool.models.source import resolve_model
 

@@ -106,12 +106,13 @@ def ranked_plans(args: argparse.Namespace, state: ClusterState):
 
     spec = model_spec(resolve_model(args.model))
     nodes, links = node_specs(state)
+    concurrency = getattr(args, "concurrency", 1)  # bench's --concurrency is a list of levels
     return place(
         spec,
         nodes,
         links,
         context_tokens=getattr(args, "context", 4096),
-        concurrency=getattr(args, "concurrency", 1),
+        concurrency=concurrency if isinstance(concurrency, int) else 1,
     )
 
 

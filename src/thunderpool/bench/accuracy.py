@@ -1,0 +1,73 @@
+"""Planner accuracy: predicted against measured decode tok/s for the cluster's best plans."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from rich.console import Console
+from rich.table import Table
+
+from thunderpool.cluster.cli import coordinator, measured_state, ranked_plans
+from thunderpool.cluster.coordinator import ClusterInstance, plan_layout
+from thunderpool.engine.job import BenchTask, RankJob
+
+
+def planner_accuracy(args: argparse.Namespace, console: Console | None = None) -> list[dict]:
+    """Run the best plan of each kind (single, tp, pp) and compare with its prediction."""
+    console = console or Console()
+    coord = coordinator(args)
+    state = measured_state(coord)
+    args.context = args.prompt_tokens + args.max_tokens
+    plans = ranked_plans(args, state)
+    picked = {}
+    for p in plans:
+        picked.setdefault((p.kind, len(p.nodes)), p)
+    names = {k: n.name for k, n in state.nodes.items()}
+    rows = []
+    for (kind, n), plan in sorted(picked.items()):
+        task = BenchTask(
+            prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, repeats=args.repeats
+        )
+        job = RankJob(model_dir=args.model or "", world_size=n, task=task, **plan_layout(plan))
+        bench = None
+        with console.status(f"{kind} over {n} node(s)"):
+            with ClusterInstance(coord, state, list(plan.nodes), job, timeout=600) as inst:
+                for ev in inst.events():
+                    if ev.event["kind"] == "bench":
+                        bench = ev.event
+        measured = (
+            bench["decode_tps"]["median"]
+            if isinstance(bench["decode_tps"], dict)
+            else bench["decode_tps"]
+        )
+        predicted = plan.prediction.decode_tps
+        rows.append(
+            {
+                "kind": kind,
+                "nodes": [names[x] for x in plan.nodes],
+                "predicted_tps": predicted,
+                "measured_tps": measured,
+                "error": (predicted - measured) / measured,
+            }
+        )
+    table = Table(
+        "plan",
+        "nodes",
+        "predicted tok/s",
+        "measured tok/s",
+        "error",
+        title="planner accuracy: decode (goal within ±25%)",
+    )
+    for r in rows:
+        table.add_row(
+            r["kind"],
+            " > ".join(r["nodes"]),
+            f"{r['predicted_tps']:.2f}",
+            f"{r['measured_tps']:.2f}",
+            f"{r['error']:+.0%}",
+        )
+    console.print(table)
+    errors = [abs(r["error"]) for r in rows]
+    console.print(f"median |error| {statistics.median(errors):.0%}, max {max(errors):.0%}")
+    return rows
