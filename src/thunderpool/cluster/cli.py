@@ -145,10 +145,7 @@ def plan_main(args: argparse.Namespace) -> int:
         )
     console = Console()
     console.print(table)
-    text = explain(plans)
-    for node_id, name in names.items():
-        text = text.replace(node_id, name)
-    console.print(text)
+    console.print(_named(explain(plans), state))
     return 0
 
 
@@ -176,5 +173,13 @@ def cluster_instance(args: argparse.Namespace, make_job, timeout: float | None):
     plan = wanted[0]
     job = make_job(len(plan.nodes), plan_layout(plan))
     names = [state.nodes[n].name for n in plan.nodes]
-    Console(stderr=True).print(f"[dim]plan: {plan.kind} over {' > '.join(names)}: {plan.reason}[/]")
+    reason = _named(plan.reason, state)
+    Console(stderr=True).print(f"[dim]plan: {plan.kind} over {' > '.join(names)}: {reason}[/]")
     return ClusterInstance(coord, state, list(plan.nodes), job, timeout=timeout)
+
+
+def _named(text: str, state: ClusterState) -> str:
+    """Node ids (what the planner works with) replaced by host names for people."""
+    for node_id, node in state.nodes.items():
+        text = text.replace(node_id, node.name)
+    return text
