@@ -89,3 +89,22 @@ def test_jaccl_device_matrix_and_coordinator():
 def test_no_jaccl_without_rdma_on_every_pair():
     assert jaccl_config(cluster(rdma=False), ["a", "b", "c"], 29600) is None
     assert jaccl_config(cluster(), ["a"], 29600) is None
+
+
+def test_ranks_sharing_a_machine_get_their_own_cores():
+    from thunderpool.cluster.coordinator import core_assignment
+
+    state = cluster()
+    boxes = {"a": "box1", "b": "box1", "c": "box2"}
+    nodes = {
+        k: v.model_copy(update={"host_id": boxes[k], "cpu_count": 2})
+        for k, v in state.nodes.items()
+    }
+    state = state.model_copy(update={"nodes": nodes})
+    # a and b share box1: one core each; c is alone on box2, so it is left to the OS.
+    assert core_assignment(state, ["a", "b", "c"]) == {0: 0, 1: 1}
+    # Three ranks on a two-core box cannot each have a core: none is pinned.
+    crowded = state.model_copy(
+        update={"nodes": {k: v.model_copy(update={"host_id": "box1"}) for k, v in nodes.items()}}
+    )
+    assert core_assignment(crowded, ["a", "b", "c"]) == {}

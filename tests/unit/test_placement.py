@@ -2,7 +2,7 @@
 
 import pytest
 
-from thunderpool.planner.cost import LinkSpec, NodeSpec
+from thunderpool.planner.cost import LinkSpec, NodeSpec, Stage, predict
 from thunderpool.planner.placement import PlacementError, explain, place
 from thunderpool.planner.spec import model_spec_from_config
 
@@ -45,12 +45,12 @@ def test_tp_wins_over_rdma(spec):
     plans = place(spec, nodes, [LinkSpec("a", "b", 10e-6, 8e9, "rdma")])
     check_fits(plans, nodes)
     assert plans[0].kind == "tp" and plans[0].nodes == ("a", "b")
-    assert plans[0].prediction.collectives_per_token == 2 * 32
+    assert plans[0].prediction.collectives_per_token == 2 * 32 + 1  # + the command all_sum
     # Memory-bound decode nearly halves: each node reads half the layers.
     single = next(p for p in plans if p.kind == "single")
     assert plans[0].prediction.decode_tps > 1.6 * single.prediction.decode_tps
     text = explain(plans)
-    assert text.startswith("winner: tp over a,b") and "64 collectives" in text and "rdma" in text
+    assert text.startswith("winner: tp over a,b") and "65 collectives" in text and "rdma" in text
 
 
 def test_tp_loses_across_a_slow_link(spec):
@@ -130,3 +130,41 @@ def test_hybrid_tp_inside_rdma_groups_pp_between(spec):
         [("a", "b"), ("c", "d")],
         [("c", "d"), ("a", "b")],
     )
+
+
+def _box(name: str, host: str, avail_gb: float, cores: int = 2) -> NodeSpec:
+    return NodeSpec(
+        name=name,
+        memory_bytes=int(64 * GiB),
+        available_bytes=int(avail_gb * GiB),
+        mem_bw_Bps=4e9,
+        flops=5e10,
+        host=host,
+        cores=cores,
+        host_mem_bw_Bps=5e9,
+    )
+
+
+def test_nodes_on_one_machine_share_its_memory_and_cores():
+    spec = model_spec_from_config(LLAMA_8B)  # ~16 GB of bf16 weights
+    loop = [LinkSpec(a, b, 2e-5, 5e9, "loopback") for a, b in (("x", "y"), ("y", "z"), ("x", "z"))]
+    # Three agents on one 2-core box that has 12 GB free: each reports the same 12 GB.
+    same = [_box(n, "box", 12) for n in "xyz"]
+    with pytest.raises(PlacementError):
+        place(spec, same, loop, context_tokens=1024)  # 16 GB never fits in one box's 12 GB
+    # With 40 GB free, 2-rank plans fit, but no plan puts 3 busy-polling ranks on 2 cores.
+    roomy = [_box(n, "box", 40) for n in "xyz"]
+    plans = place(spec, roomy, loop, context_tokens=1024)
+    assert plans and max(len(p.nodes) for p in plans) == 2
+
+
+def test_co_located_tp_ranks_split_the_host_bandwidth():
+    spec = model_spec_from_config(LLAMA_8B)
+    link = [LinkSpec("x", "y", 2e-5, 5e9, "loopback")]
+    shared = [_box("x", "box", 40), _box("y", "box", 40)]
+    apart = [_box("x", "box1", 40), _box("y", "box2", 40)]
+    tp = [Stage(("x", "y"), (0, spec.layers), (1.0, 1.0))]
+    on_one = predict(spec, tp, {n.name: n for n in shared}, link)
+    on_two = predict(spec, tp, {n.name: n for n in apart}, link)
+    # Two ranks on one box each stream at 5e9 / 2 instead of 4e9: memory time grows by 1.6x.
+    assert on_one.breakdown.memory_s == pytest.approx(on_two.breakdown.memory_s * 1.6, rel=1e-9)

@@ -42,9 +42,11 @@ def test_tp_pays_two_ring_all_reduces_per_layer():
     nodes = {"a": node("a"), "b": node("b")}
     link = LinkSpec("a", "b", 1e-3, 1e9, "ethernet")
     pred = predict(spec, [Stage(("a", "b"), (0, 8), (1.0, 1.0))], nodes, [link], prompt_tokens=16)
-    # Ring over 2 ranks: (2*1/2) * 1024 B / 1e9 + 2 * 1 ms, 16 times.
-    assert pred.collectives_per_token == 16
-    assert pred.breakdown.collective_s == pytest.approx(16 * (1024 / 1e9 + 2e-3), rel=1e-12)
+    # Ring over 2 ranks: (2*1/2) * 1024 B / 1e9 + 2 * 1 ms, 16 times, plus the leader's
+    # 512-byte command all_sum once per step.
+    assert pred.collectives_per_token == 16 + 1
+    expected = 16 * (1024 / 1e9 + 2e-3) + (512 / 1e9 + 2e-3)
+    assert pred.breakdown.collective_s == pytest.approx(expected, rel=1e-12)
 
 
 def test_pp_pays_one_hop_per_boundary_including_the_return():
@@ -60,8 +62,10 @@ def test_pp_pays_one_hop_per_boundary_including_the_return():
         for i, n in enumerate("abc")
     ]
     pred = predict(spec, stages, nodes, links, prompt_tokens=16)
-    assert pred.collectives_per_token == 3
-    assert pred.breakdown.collective_s == pytest.approx(7e-3 + 3 * 1024 / 1e9, rel=1e-12)
+    assert pred.collectives_per_token == 3 + 1
+    # Three hops, plus the command all_sum paced by the ring's slowest link (c-a, 4 ms).
+    control = links[2].all_reduce_s(512, 3)
+    assert pred.breakdown.collective_s == pytest.approx(7e-3 + 3 * 1024 / 1e9 + control, rel=1e-12)
     # Stages run one after another: memory time is the whole model at one node's bandwidth.
     single = predict(spec, [Stage(("a",), (0, 8), (1.0,))], nodes, [], prompt_tokens=16)
     assert pred.breakdown.memory_s == pytest.approx(single.breakdown.memory_s, rel=1e-12)

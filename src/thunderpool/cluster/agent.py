@@ -142,8 +142,8 @@ def create_agent_app(agent: Agent) -> FastAPI:
         return {"started": [s.rank for s in msg.ranks]}
 
     @app.get("/v1/instances/{instance_id}")
-    def poll(instance_id: str, after: int = 0, _: bytes = Depends(signed)):
-        return agent.ranks.poll(instance_id, after)
+    def poll(instance_id: str, after: int = 0, wait: float = 0.0, _: bytes = Depends(signed)):
+        return agent.ranks.poll(instance_id, after, wait)
 
     @app.post("/v1/stop")
     def stop(body: bytes = Depends(signed)):

@@ -250,6 +250,60 @@ def measure_memory_bandwidth(nbytes: int = 128 * 2**20, repeats: int = 3) -> flo
     return w.nbytes / _best_time(lambda: mx.eval(x @ w.T), repeats, budget_s=0.5)
 
 
+def _gemv_rate(start_at: float, seconds: float, nbytes: int = 64 * 2**20) -> float:
+    """Bytes/s of single-token GEMVs from `start_at` for `seconds` (one of several processes)."""
+    import mlx.core as mx
+
+    w = mx.random.normal((nbytes // (4 * 4096), 4096), dtype=mx.float32)
+    x = mx.random.normal((1, 4096), dtype=mx.float32)
+    mx.eval(w, x, x @ w.T)
+    while time.time() < start_at:
+        time.sleep(0.005)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        mx.eval(x @ w.T)
+        n += 1
+    return n * w.nbytes / (time.perf_counter() - t0)
+
+
+def measure_host_bandwidth(procs: int, seconds: float = 0.6) -> float:
+    """Aggregate GEMV bandwidth with `procs` processes streaming at once: what co-located
+    ranks share (on many machines one core cannot saturate the memory bus, or all can)."""
+    import subprocess
+    import sys
+
+    start = time.time() + 3.0  # time for every process to import MLX and warm up
+    code = (
+        "import sys; from thunderpool.cluster.capabilities import _gemv_rate; "
+        "print(_gemv_rate(float(sys.argv[1]), float(sys.argv[2])))"
+    )
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(start), str(seconds)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for _ in range(procs)
+    ]
+    total = 0.0
+    for p in runs:
+        out, _ = p.communicate(timeout=60)
+        total += float(out.strip() or 0)
+    return total
+
+
+def host_id(macos: bool, run: Runner, root: Path) -> str:
+    """Same for every agent on one machine: the kernel's boot id (Linux) or its UUID (macOS)."""
+    if macos:
+        code, out = run(["sysctl", "-n", "kern.uuid"])
+        return out.strip() if code == 0 else ""
+    try:
+        return (root / "proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
 def measure_matmul_flops(n: int = 1024, repeats: int = 4) -> float:
     """fp32 matmul FLOP/s on MLX's default device (the GPU on a Mac), best of `repeats`."""
     import mlx.core as mx
@@ -321,6 +375,8 @@ def node_info(
         memory_total_bytes=total,
         memory_available_bytes=available,
         mem_bw_Bps=measure_memory_bandwidth(_copy_size(available)) if measure else 0.0,
+        host_mem_bw_Bps=measure_host_bandwidth(os.cpu_count() or 1) if measure else 0.0,
+        host_id=host_id(system == "Darwin", run, root),
         flops=measure_matmul_flops() if measure else 0.0,
         backends=backends(macos, rdma, has_mpirun),
         rdma=rdma,

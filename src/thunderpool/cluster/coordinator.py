@@ -85,6 +85,9 @@ def node_specs(state: ClusterState) -> tuple[list[NodeSpec], list[LinkSpec]]:
             available_bytes=n.memory_available_bytes,
             mem_bw_Bps=max(n.mem_bw_Bps, 1e9),
             flops=max(n.flops, 1e9),
+            host=n.host_id,
+            cores=n.cpu_count,
+            host_mem_bw_Bps=n.host_mem_bw_Bps,
         )
         for n in state.nodes.values()
     ]
@@ -151,6 +154,22 @@ def jaccl_config(state: ClusterState, order: list[str], port: int) -> dict[str, 
     return {"MLX_IBV_DEVICES": json.dumps(devices), "MLX_JACCL_COORDINATOR": f"{leader_ip}:{port}"}
 
 
+def core_assignment(state: ClusterState, order: list[str]) -> dict[int, int]:
+    """rank -> core for ranks that share a machine (same host_id), when each can have its own:
+    ring ranks busy-poll, so two on one core stall each other's collectives."""
+    by_host: dict[str, list[int]] = {}
+    for rank, node in enumerate(order):
+        host = state.nodes[node].host_id
+        if host:
+            by_host.setdefault(host, []).append(rank)
+    cpus = {}
+    for ranks in by_host.values():
+        cores = state.nodes[order[ranks[0]]].cpu_count
+        if 1 < len(ranks) <= cores:
+            cpus.update({rank: i for i, rank in enumerate(ranks)})
+    return cpus
+
+
 def plan_layout(plan: Plan) -> dict:
     """RankJob fields for a plan (hybrid plans run as PP over their nodes for now)."""
     if plan.kind == "tp":
@@ -196,6 +215,7 @@ class ClusterInstance:
         elif n > 1:
             files["MLX_HOSTFILE"] = ring_hostfile(self.state, self.order, port)
         self.backend = job.backend
+        cpus = core_assignment(self.state, self.order)
         for node in self.nodes:
             specs = tuple(
                 RankSpec(
@@ -204,6 +224,7 @@ class ClusterInstance:
                     world_size=n,
                     job=job.model_dump_json(),
                     files=files,
+                    cpu=cpus.get(r),
                     env=env | {"THUNDERPOOL_NODE": node},
                 )
                 for r, owner in enumerate(self.order)
@@ -221,8 +242,10 @@ class ClusterInstance:
             progressed, exits = False, {}
             for node in self.nodes:
                 try:
+                    # Long-poll the leader's node; glance at the others.
+                    wait = 0.5 if node == self.order[0] else 0.0
                     reply = self.coordinator.client(node, self.state).call(
-                        "GET", f"/v1/instances/{self.instance_id}?after={seen[node]}"
+                        "GET", f"/v1/instances/{self.instance_id}?after={seen[node]}&wait={wait}"
                     )
                 except AgentError as e:
                     self.kill()
@@ -251,7 +274,7 @@ class ClusterInstance:
                     f"no progress from the ranks for {self.timeout:.0f}s; stopped every rank"
                 )
             else:
-                time.sleep(0.05)
+                time.sleep(0.01)  # the leader's long-poll already waited; this bounds a spin
 
     def _name(self, node: str) -> str:
         info: NodeInfo | None = self.state.nodes.get(node)

@@ -40,7 +40,9 @@ class NodeInfo(Wire):
     cpu_count: int
     memory_total_bytes: int
     memory_available_bytes: int
-    mem_bw_Bps: float = 0.0  # quick measured memory bandwidth
+    mem_bw_Bps: float = 0.0  # quick measured memory bandwidth (one rank streaming weights)
+    host_mem_bw_Bps: float = 0.0  # the same with every core streaming at once
+    host_id: str = ""  # equal for agents sharing one machine (e.g. network namespaces)
     flops: float = 0.0  # quick measured fp32 matmul FLOP/s
     backends: tuple[str, ...] = ("ring",)  # MLX distributed backends usable here
     rdma: bool = False
@@ -93,6 +95,7 @@ class RankSpec(Wire):
     # Files the agent writes before starting the rank, each path exported as the env var named
     # by its key: MLX_HOSTFILE (ring) or MLX_IBV_DEVICES (jaccl's RDMA device matrix).
     files: dict[str, str] = Field(default_factory=dict)
+    cpu: int | None = None  # pin to this core: ranks sharing a machine each get their own
 
 
 class StartRanks(Wire):

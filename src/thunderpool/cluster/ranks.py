@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,7 @@ class RankManager:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
-            preexec_fn=lambda: _child_setup(None),
+            preexec_fn=lambda: _child_setup(spec.cpu),
         )
         rank = _Rank(spec.rank, proc)
         inst.ranks[spec.rank] = rank
@@ -90,11 +91,22 @@ class RankManager:
             if line.strip():
                 rank.stderr.append(line.rstrip("\n"))
 
-    def poll(self, instance_id: str, after: int) -> dict:
-        """Events after index `after`, and each rank's exit code (None while running)."""
+    def poll(self, instance_id: str, after: int, wait: float = 0.0) -> dict:
+        """Events after index `after`, and each rank's exit code (None while running).
+
+        With `wait`, hold the answer up to that many seconds until something happens, so the
+        coordinator need not spin (its polling competes with the ranks for CPU).
+        """
         inst = self.instances.get(instance_id)
         if inst is None:
             return {"events": [], "exits": {}, "errors": {}, "known": False}
+        deadline = time.monotonic() + min(wait, 5.0)
+        while (
+            len(inst.events) <= after
+            and time.monotonic() < deadline
+            and all(r.proc.poll() is None for r in inst.ranks.values())
+        ):
+            time.sleep(0.01)
         with self.lock:
             events = inst.events[after:]
         exits = {r.rank: r.proc.poll() for r in inst.ranks.values()}

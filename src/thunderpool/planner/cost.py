@@ -8,7 +8,7 @@ hop that returns the last hidden state to rank 0 (which holds the embedding and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from thunderpool.errors import ThunderpoolError
@@ -17,6 +17,9 @@ from thunderpool.planner.spec import ModelSpec
 
 LinkKind = Literal["rdma", "thunderbolt", "ethernet", "wifi", "loopback"]
 LINK_KINDS = ("rdma", "thunderbolt", "ethernet", "wifi", "loopback")
+
+
+CONTROL_BYTES = 512  # engine/control.py's header: one per decode step on >1 rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +36,11 @@ class NodeSpec:
     mem_bw_Bps: float
     flops: float
     os_reserve_bytes: int = 0
+    # Nodes with the same non-empty `host` share one machine (e.g. several agents on one box):
+    # its memory, its `cores`, and `host_mem_bw_Bps`, the bandwidth all its cores reach together.
+    host: str = ""
+    cores: int = 0
+    host_mem_bw_Bps: float = 0.0
 
     def __post_init__(self):
         if self.mem_bw_Bps <= 0 or self.flops <= 0:
@@ -170,7 +178,16 @@ def predict(
         first, ranks = k == 0, shares(spec, stage)
         # Decode: batch tokens, each attending over prompt_tokens cached tokens.
         times = [
-            _rank_time(spec, stage, s, nodes[s.node], first, batch, prompt_tokens, kv_dtype_bytes)
+            _rank_time(
+                spec,
+                stage,
+                s,
+                _concurrent(nodes, stage, s.node),
+                first,
+                batch,
+                prompt_tokens,
+                kv_dtype_bytes,
+            )
             for s in ranks
         ]
         mem_s, flop_s = max(times, key=lambda t: max(t))
@@ -186,6 +203,14 @@ def predict(
             collective += n_reduce * link.all_reduce_s(batch * hidden * act_bytes, len(ranks))
             prefill += n_reduce * link.all_reduce_s(prompt_tokens * hidden * act_bytes, len(ranks))
             n_coll += n_reduce
+    everyone = tuple(n for s in stages for n in s.nodes)
+    if len(everyone) > 1:
+        # The leader's per-step command: one small all_sum around the ring of all ranks.
+        ring = zip(everyone, everyone[1:] + everyone[:1], strict=True)
+        hops = [_fastest(links, (a,), (b,), CONTROL_BYTES) for a, b in ring if a != b]
+        control = max(hops, key=lambda x: x.all_reduce_s(CONTROL_BYTES, len(everyone)))
+        collective += control.all_reduce_s(CONTROL_BYTES, len(everyone))
+        n_coll += 1
     if len(stages) > 1:
         for k, stage in enumerate(stages):
             nxt = stages[(k + 1) % len(stages)]
@@ -202,6 +227,15 @@ def predict(
         breakdown=Breakdown(compute, memory, collective),
         collectives_per_token=n_coll,
     )
+
+
+def _concurrent(nodes: dict[str, NodeSpec], stage: Stage, name: str) -> NodeSpec:
+    """The node as one TP rank sees it while its co-located peers run at the same time."""
+    node = nodes[name]
+    k = sum(1 for n in stage.nodes if node.host and nodes[n].host == node.host)
+    if k <= 1 or node.host_mem_bw_Bps <= 0:
+        return node
+    return replace(node, mem_bw_Bps=min(node.mem_bw_Bps, node.host_mem_bw_Bps / k))
 
 
 def link_between(links: list[LinkSpec], a: str, b: str) -> list[LinkSpec]:

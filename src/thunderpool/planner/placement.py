@@ -160,6 +160,8 @@ def _plan(spec, kind, stages, by_name, links, needs) -> Plan | None:
         return None  # heads cannot be split over these weights
     if any(used[n] > by_name[n].available_bytes for n in used):
         return None
+    if not _fits_hosts(used, by_name):
+        return None
     pred = predict(
         spec,
         stages,
@@ -171,6 +173,24 @@ def _plan(spec, kind, stages, by_name, links, needs) -> Plan | None:
     )
     free = {n: by_name[n].available_bytes - used[n] for n in used}
     return Plan(kind, stages, used, free, pred, _reason(kind, stages, pred, links))
+
+
+def _fits_hosts(used: dict[str, int], by_name: dict[str, NodeSpec]) -> bool:
+    """Nodes on one machine share its memory and cores: their sum must fit, and no more ranks
+    than cores (ranks busy-poll, so an oversubscribed core stalls every collective)."""
+    hosts: dict[str, list[str]] = {}
+    for n in used:
+        if by_name[n].host:
+            hosts.setdefault(by_name[n].host, []).append(n)
+    for names in hosts.values():
+        if len(names) < 2:
+            continue
+        if sum(used[n] for n in names) > min(by_name[n].available_bytes for n in names):
+            return False
+        cores = min(by_name[n].cores for n in names)
+        if cores and len(names) > cores:
+            return False
+    return True
 
 
 def _candidates(spec, nodes, links, needs):
