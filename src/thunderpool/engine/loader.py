@@ -45,6 +45,17 @@ class LoadStats:
     layers: tuple[int, int]
     method: str
 
+    def as_event(self) -> dict:
+        """The fields of a rank's "loaded" event for the launcher."""
+        return {
+            "rank": self.rank,
+            "param_bytes": self.param_bytes,
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "seconds": self.seconds,
+            "layers": list(self.layers),
+            "method": self.method,
+        }
+
 
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""

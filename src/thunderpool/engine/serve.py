@@ -47,15 +47,7 @@ def serve(
         if client is not None:
             client.failed = str(e)
         raise
-    emit(
-        "loaded",
-        rank=stats.rank,
-        param_bytes=stats.param_bytes,
-        peak_rss_bytes=stats.peak_rss_bytes,
-        seconds=stats.seconds,
-        layers=list(stats.layers),
-        method=stats.method,
-    )
+    emit("loaded", **stats.as_event())
     memory = gather(group, [stats.param_bytes, peak_rss_bytes()])
     control = Control(group)
     if client is None:

@@ -42,15 +42,7 @@ def run(job: RankJob) -> None:
 
         return serve(job, job.task, group, layout, emit)
     runner, config, stats = load_shard(Path(job.model_dir), group, layout)
-    emit(
-        "loaded",
-        rank=stats.rank,
-        param_bytes=stats.param_bytes,
-        peak_rss_bytes=stats.peak_rss_bytes,
-        seconds=stats.seconds,
-        layers=list(stats.layers),
-        method=stats.method,
-    )
+    emit("loaded", **stats.as_event())
     control = Control(group)
     if not runner.is_leader:
         follow(runner, control)
