@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from thunderpool.errors import ThunderpoolError
+from thunderpool.progress import LoadBar
 
 
 def _mib(n: int | float) -> str:
@@ -69,9 +71,12 @@ def generate(args: argparse.Namespace) -> int:
     where = "the cluster" if args.cluster else "MLX ring on loopback"
     err.print(f"[dim]{name}: {world} rank(s), {mode}, {where}[/]")
     loaded, peaks, done = {}, {}, None
-    with instance:
+    bar = LoadBar(world, f"loading {name} on {world} rank(s)", err)
+    with instance, bar:
         for ev in instance.events():
             e = ev.event
+            if e["kind"] in ("progress", "loaded"):
+                bar.update(e, ev.rank)
             match e["kind"]:
                 case "loaded":
                     loaded[ev.rank] = e
@@ -132,15 +137,19 @@ def serve(args: argparse.Namespace) -> int:
     world = instance.job.world_size
     mode = instance.job.parallel.upper() if world > 1 else "single rank"
     model_name = instance.job.task.model_name
-    with instance:
+    bar = None
+    with instance, contextlib.ExitStack() as stack:
         for ev in instance.events():
             e = ev.event
+            if e["kind"] in ("progress", "loaded") and bar is not None:
+                bar.update(e, ev.rank)
             match e["kind"]:
                 case "listening":
                     err.print(
                         f"API and dashboard at {e['url']} (loading {model_name} on "
                         f"{world} rank(s), {mode})"
                     )
+                    bar = stack.enter_context(LoadBar(world, f"loading {model_name}", err))
                 case "loaded":
                     err.print(
                         f"[dim]rank {ev.rank}: layers {e['layers'][0]}-{e['layers'][1] - 1}, "

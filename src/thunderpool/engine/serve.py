@@ -40,7 +40,15 @@ def serve(
 ) -> None:
     model_dir = Path(job.model_dir)
     client = _start_api(job, task, emit) if group.rank() == 0 else None
-    progress = (lambda f: setattr(client, "progress", f)) if client else None
+    from thunderpool.engine.worker import load_progress
+
+    report = load_progress(group.rank())
+
+    def progress(fraction: float) -> None:
+        report(fraction)
+        if client is not None:
+            client.progress = fraction
+
     try:
         runner, config, stats = load_shard(model_dir, group, layout, progress)
     except Exception as e:

@@ -29,6 +29,11 @@ def emit(kind: str, **fields) -> None:
     print(EVENT_PREFIX + json.dumps({"kind": kind, **fields}), flush=True)
 
 
+def load_progress(rank: int):
+    """Report each rank's loading to the launcher, which draws one progress bar."""
+    return lambda fraction: emit("progress", rank=rank, fraction=round(fraction, 3))
+
+
 def run(job: RankJob) -> None:
     if job.world_size > 1:
         group = mx.distributed.init(backend=job.backend, strict=True)
@@ -41,7 +46,9 @@ def run(job: RankJob) -> None:
         from thunderpool.engine.serve import serve
 
         return serve(job, job.task, group, layout, emit)
-    runner, config, stats = load_shard(Path(job.model_dir), group, layout)
+    runner, config, stats = load_shard(
+        Path(job.model_dir), group, layout, load_progress(group.rank())
+    )
     emit("loaded", **stats.as_event())
     control = Control(group)
     if not runner.is_leader:
