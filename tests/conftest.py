@@ -103,6 +103,7 @@ def run_trace(
     prompts: list[list[int]] | None = None,
     max_tokens: int = 32,
     sampling=None,
+    env: dict[str, str] | None = None,
     **job_fields,
 ) -> dict[str, np.ndarray]:
     """Greedy-decode `prompts` on `nodes` real rank processes; returns tokens and logits."""
@@ -118,7 +119,7 @@ def run_trace(
     job = RankJob(
         model_dir=str(model_dir), world_size=nodes, parallel=parallel, task=task, **job_fields
     )
-    with LocalInstance(job, timeout=120) as inst:
+    with LocalInstance(job, timeout=120, env=env) as inst:
         events = list(inst.events())
     assert [e.event["kind"] for e in events].count("loaded") == nodes
     data = np.load(out)

@@ -199,6 +199,22 @@ def _first_error(e: ValueError) -> str:
     return str(e)
 
 
+def _same_blas_as_ranks() -> None:
+    """bench runs one rank in this process: restart it with the BLAS the ranks preload, so
+    every row of the table is measured with the same library."""
+    import os
+
+    from thunderpool.cluster.blas import fast_blas_env
+
+    env = fast_blas_env()
+    if env and env["LD_PRELOAD"] not in os.environ.get("LD_PRELOAD", ""):
+        os.execve(
+            sys.executable,
+            [sys.executable, "-m", "thunderpool", *sys.argv[1:]],
+            {**os.environ, **env},
+        )
+
+
 def import_gguf(args: argparse.Namespace) -> int:
     from thunderpool.models.gguf import import_gguf as run_import
 
@@ -209,6 +225,7 @@ def import_gguf(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
+    _same_blas_as_ranks()
     if args.cluster:
         import json
 

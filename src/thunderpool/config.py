@@ -16,3 +16,8 @@ def state_dir() -> Path:
 
 def token_from_env() -> str | None:
     return os.environ.get(TOKEN_ENV) or None
+
+
+def blas_choice() -> str:
+    """THUNDERPOOL_BLAS: "auto" (default), "reference" (the wheel's own), or a library path."""
+    return os.environ.get("THUNDERPOOL_BLAS", "auto")

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from thunderpool.cluster.blas import fast_blas_env
 from thunderpool.engine.job import RankJob
 from thunderpool.engine.worker import EVENT_PREFIX
 from thunderpool.errors import LaunchError
@@ -97,7 +98,7 @@ class LocalInstance:
         n, tmp = self.job.world_size, Path(self.tmp.name)
         job_file = tmp / "job.json"
         job_file.write_text(self.job.model_dump_json())
-        env = {**os.environ, **self.env}
+        env = {**os.environ, **fast_blas_env(), **self.env}
         if n > 1:
             hostfile = tmp / "hosts.json"
             hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))

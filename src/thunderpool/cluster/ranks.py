@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from thunderpool.cluster.blas import fast_blas_env
 from thunderpool.cluster.launch import _child_setup
 from thunderpool.cluster.messages import RankSpec
 from thunderpool.engine.job import RankJob
@@ -58,7 +59,7 @@ class RankManager:
         tmp = Path(inst.tmp.name)
         job_file = tmp / f"job-{spec.rank}.json"
         job_file.write_text(job.model_dump_json())
-        env = {**os.environ, **spec.env, "MLX_RANK": str(spec.rank)}
+        env = {**os.environ, **fast_blas_env(), **spec.env, "MLX_RANK": str(spec.rank)}
         for var, content in spec.files.items():
             path = tmp / f"{var.lower()}-{spec.rank}.json"
             path.write_text(content)
