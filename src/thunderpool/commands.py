@@ -207,7 +207,8 @@ def _same_blas_as_ranks() -> None:
     from thunderpool.cluster.blas import fast_blas_env
 
     env = fast_blas_env()
-    if env and env["LD_PRELOAD"] not in os.environ.get("LD_PRELOAD", ""):
+    library = env.get("LD_PRELOAD", "").split(" ")[0]
+    if library and library not in os.environ.get("LD_PRELOAD", "").split(" "):
         os.execve(
             sys.executable,
             [sys.executable, "-m", "thunderpool", *sys.argv[1:]],

@@ -60,7 +60,8 @@ def fast_blas_env() -> dict[str, str]:
     paths = [choice] if choice != "auto" else [p for p in CANDIDATES if Path(p).is_file()]
     if not paths:
         return {}
-    env = {"LD_PRELOAD": " ".join(filter(None, [paths[0], os.environ.get("LD_PRELOAD")]))}
+    preloaded = os.environ.get("LD_PRELOAD", "").split()
+    env = {"LD_PRELOAD": " ".join([paths[0], *(p for p in preloaded if p != paths[0])])}
     if "OPENBLAS_CORETYPE" not in os.environ:
         try:
             kind = core_type(Path("/proc/cpuinfo").read_text())

@@ -59,6 +59,11 @@ def _child_setup(cpu: int | None) -> None:
             os.sched_setaffinity(0, {cpu})
 
 
+def one_core_env(cpu: int | None) -> dict[str, str]:
+    """A rank pinned to one core must not start BLAS threads for cores it cannot use."""
+    return {} if cpu is None else {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+
 def _cpus() -> list[int]:
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
@@ -79,7 +84,8 @@ class LocalInstance:
         self.job, self.timeout = job, timeout
         n = job.world_size
         cpus = _cpus()
-        self.pin = (n <= len(cpus)) if pin is None else pin
+        # One rank keeps every core; several get one core each (they busy-poll in collectives).
+        self.pin = (1 < n <= len(cpus)) if pin is None else pin
         self.cpus = cpus
         self.env = dict(env or {})
         self.procs: list[subprocess.Popen] = []
@@ -107,7 +113,7 @@ class LocalInstance:
             cpu = self.cpus[rank % len(self.cpus)] if self.pin else None
             proc = subprocess.Popen(
                 [sys.executable, "-m", "thunderpool.engine.worker", str(job_file)],
-                env={**env, "MLX_RANK": str(rank)},
+                env={**env, "MLX_RANK": str(rank), **one_core_env(cpu)},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

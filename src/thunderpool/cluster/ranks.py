@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from thunderpool.cluster.blas import fast_blas_env
-from thunderpool.cluster.launch import _child_setup
+from thunderpool.cluster.launch import _child_setup, one_core_env
 from thunderpool.cluster.messages import RankSpec
 from thunderpool.engine.job import RankJob
 from thunderpool.engine.worker import EVENT_PREFIX
@@ -59,7 +59,13 @@ class RankManager:
         tmp = Path(inst.tmp.name)
         job_file = tmp / f"job-{spec.rank}.json"
         job_file.write_text(job.model_dump_json())
-        env = {**os.environ, **fast_blas_env(), **spec.env, "MLX_RANK": str(spec.rank)}
+        env = {
+            **os.environ,
+            **fast_blas_env(),
+            **spec.env,
+            "MLX_RANK": str(spec.rank),
+            **one_core_env(spec.cpu),
+        }
         for var, content in spec.files.items():
             path = tmp / f"{var.lower()}-{spec.rank}.json"
             path.write_text(content)
