@@ -90,6 +90,44 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return {kind: make_tiny(kind, root / kind) for kind in TINY}
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def make_tiny_chat(path: Path, seed: int = 0) -> Path:
+    """A tiny random llama with the embedded SmolLM2's tokenizer and chat template: what
+    `serve` needs, loaded in a blink."""
+    import shutil
+
+    from thunderpool.models.source import resolve_model
+
+    source = resolve_model(None, progress=False)
+    config = {
+        **TINY["llama"],
+        "vocab_size": 49152,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "max_position_embeddings": 2048,
+    }
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    weights = {
+        n: w * 2.0 if w.ndim == 2 and "embed" not in n else w
+        for n, w in tree_flatten(model.parameters())
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    for name in TOKENIZER_FILES:
+        shutil.copy(source / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(tmp_path_factory) -> Path:
+    return make_tiny_chat(tmp_path_factory.mktemp("tiny-chat") / "tiny-chat")
+
+
 def tiny_prompts(n: int = 2, seed: int = 1) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, size=int(rng.integers(5, 40))).tolist() for _ in range(n)]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from pathlib import Path
 
@@ -94,70 +93,9 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import ipaddress
+    from thunderpool.serving.run import serve_main
 
-    from thunderpool.engine.job import RankJob, ServeTask
-
-    err = Console(stderr=True)
-    try:
-        loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
-    except ValueError:
-        raise ThunderpoolError(
-            f"--host {args.host} is not an IP address; use e.g. 0.0.0.0"
-        ) from None
-    if not loopback and not args.api_key and not args.insecure:
-        raise ThunderpoolError(
-            f"--host {args.host} exposes the API beyond this machine; pass --api-key KEY "
-            "(or --insecure to serve without one)"
-        )
-
-    def make_job(world: int, layout: dict, model_dir: str | None = None) -> RankJob:
-        task = ServeTask(
-            host=args.host,
-            port=args.port,
-            api_key=args.api_key,
-            model_name=name_of(model_dir),
-            max_batch=args.max_batch,
-            max_context=args.max_context,
-        )
-        return RankJob(
-            model_dir=model_dir or args.model or "",
-            world_size=world,
-            task=task,
-            prefill_chunk=args.prefill_chunk,
-            **layout,
-        )
-
-    def name_of(model_dir: str | None) -> str:
-        from pathlib import Path
-
-        return Path(model_dir or args.model or "SmolLM2-135M-Instruct-f32").name
-
-    instance, _ = _instance(args, make_job, None)
-    world = instance.job.world_size
-    mode = instance.job.parallel.upper() if world > 1 else "single rank"
-    model_name = instance.job.task.model_name
-    bar = None
-    with instance, contextlib.ExitStack() as stack:
-        for ev in instance.events():
-            e = ev.event
-            if e["kind"] in ("progress", "loaded") and bar is not None:
-                bar.update(e, ev.rank)
-            match e["kind"]:
-                case "listening":
-                    err.print(
-                        f"API and dashboard at {e['url']} (loading {model_name} on "
-                        f"{world} rank(s), {mode})"
-                    )
-                    bar = stack.enter_context(LoadBar(world, f"loading {model_name}", err))
-                case "loaded":
-                    err.print(
-                        f"[dim]rank {ev.rank}: layers {e['layers'][0]}-{e['layers'][1] - 1}, "
-                        f"{_mib(e['param_bytes'])} of weights in {e['seconds']:.1f} s[/]"
-                    )
-                case "ready":
-                    err.print("ready: POST /v1/chat/completions; Ctrl-C stops every rank")
-    return 0
+    return serve_main(args, Console(stderr=True))
 
 
 def _print_summary(console: Console, done: dict, loaded: dict, peaks: dict) -> None:
@@ -236,18 +174,33 @@ def bench(args: argparse.Namespace) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
         return 0
-    from thunderpool.bench.engine_bench import run_bench
+    from thunderpool.bench.run import run_bench
     from thunderpool.models.source import resolve_model
 
-    model_dir = resolve_model(args.model)
+    console = Console()
+    if args.synthetic:
+        from thunderpool.bench.synthetic import synthetic_model
+
+        if args.model:
+            raise ThunderpoolError("--synthetic and --model both name a model; pass one of them")
+        model_dir = synthetic_model(args.synthetic, console=console)
+    else:
+        model_dir = resolve_model(args.model)
+    if any(n < 1 for n in args.nodes):
+        raise ThunderpoolError(f"--nodes {args.nodes} must all be >= 1")
     run_bench(
         model_dir,
         nodes=args.nodes,
         prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens,
         repeats=args.repeats,
+        modes=args.modes,
         json_out=args.json,
-        console=Console(),
+        out_dir=args.out,
+        console=console,
         concurrency=args.concurrency or (),
+        pin=args.pin,
+        backend=args.backend,
+        timeout=args.timeout,
     )
     return 0

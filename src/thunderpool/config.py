@@ -18,6 +18,19 @@ def token_from_env() -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
+LINK_TOKEN_ENV = "THUNDERPOOL_LINK_TOKEN"
+API_KEY_ENV = "THUNDERPOOL_API_KEY"
+
+
+def link_token_from_env() -> str | None:
+    """The secret a leader rank checks on the engine link (set by whoever starts the rank)."""
+    return os.environ.get(LINK_TOKEN_ENV) or None
+
+
+def api_key_from_env() -> str | None:
+    return os.environ.get(API_KEY_ENV) or None
+
+
 def blas_choice() -> str:
     """THUNDERPOOL_BLAS: "auto" (default), "reference" (the wheel's own), or a library path."""
     return os.environ.get("THUNDERPOOL_BLAS", "auto")

@@ -43,7 +43,7 @@ R = TypeVar("R", bound=BaseModel)
 CLIENT_CLOSED = 499
 
 
-def _auth(api_key: str | None) -> Callable[[Request], None]:
+def api_key_guard(api_key: str | None) -> Callable[[Request], None]:
     expected = f"Bearer {api_key}".encode()
 
     def require_key(request: Request) -> None:
@@ -70,7 +70,7 @@ async def _parse(request: Request, model: type[R]) -> R:
 def create_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
     """The API app. `api_key` guards /v1/* and /metrics; /health (and `/`) stay open."""
     app = FastAPI(title="thunderpool", docs_url=None, redoc_url=None)
-    guarded = [Depends(_auth(api_key))]
+    guarded = [Depends(api_key_guard(api_key))]
     http_counts: Counter[tuple[str, int]] = Counter()
 
     def ready() -> None:

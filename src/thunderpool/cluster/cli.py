@@ -151,31 +151,66 @@ def plan_main(args: argparse.Namespace) -> int:
 
 def cluster_instance(args: argparse.Namespace, make_job, timeout: float | None):
     """Plan on the measured cluster (honouring --parallel/--nodes when given), then launch."""
-    coord = coordinator(args)
-    state = measured_state(coord)
-    plans = ranked_plans(args, state)
-    wanted = [
-        p
-        for p in plans
-        if (
+    return ClusterPlanner(args, make_job, timeout, Console(stderr=True))(True)
+
+
+class ClusterPlanner:
+    """Plans an instance on the nodes that answer now; `serve` calls it again after a loss.
+
+    The first plan honours --parallel/--nodes. A replan keeps the same kind on whatever number
+    of nodes is left, else takes the best plan that fits; PlacementError when nothing does.
+    """
+
+    def __init__(self, args: argparse.Namespace, make_job, timeout: float | None, console):
+        self.args, self.make_job, self.timeout, self.console = args, make_job, timeout, console
+        self.coord = coordinator(args)
+
+    def __call__(self, first: bool) -> ClusterInstance:
+        state, dead = self.coord.alive(self.coord.discover())
+        if dead:
+            self.console.print(f"[dim]not answering, left out: {', '.join(dead)}[/]")
+        state = self.coord.probe(state)
+        if missing := state.unprobed_pairs():
+            pairs = ", ".join(f"{state.nodes[a].name}-{state.nodes[b].name}" for a, b in missing)
+            self.console.print(f"[yellow]could not measure the links {pairs}[/]")
+        plans = ranked_plans(self.args, state)
+        # A replan keeps what the user asked for when it can, else relaxes node count, then kind.
+        tiers = [(True, True)] if first else [(True, True), (True, False), (False, False)]
+        wanted = next(
+            (w for kind, count in tiers if (w := [p for p in plans if self._fits(p, kind, count)])),
+            [],
+        )
+        if not wanted:
+            kinds = ", ".join(sorted({f"{p.kind} on {len(p.nodes)}" for p in plans}))
+            raise ThunderpoolError(
+                f"no plan with --parallel {self.args.parallel} --nodes {self.args.nodes} "
+                f"fits this cluster; possible: {kinds}"
+            )
+        plan = wanted[0]
+        job = self.make_job(len(plan.nodes), plan_layout(plan))
+        names = [state.nodes[n].name for n in plan.nodes]
+        reason = _named(plan.reason, state)
+        self.console.print(f"[dim]plan: {plan.kind} over {' > '.join(names)}: {reason}[/]")
+        return ClusterInstance(self.coord, state, list(plan.nodes), job, timeout=self.timeout)
+
+    def _fits(self, p, kind: bool, count: bool) -> bool:
+        args = self.args
+        kind_ok = (
             args.parallel is None
             or p.kind == args.parallel
             or (p.kind == "single" and args.nodes == 1)
         )
-        and (args.nodes is None or len(p.nodes) == args.nodes)
-    ]
-    if not wanted:
-        kinds = ", ".join(sorted({f"{p.kind} on {len(p.nodes)}" for p in plans}))
-        raise ThunderpoolError(
-            f"no plan with --parallel {args.parallel} --nodes {args.nodes} "
-            f"fits this cluster; possible: {kinds}"
-        )
-    plan = wanted[0]
-    job = make_job(len(plan.nodes), plan_layout(plan))
-    names = [state.nodes[n].name for n in plan.nodes]
-    reason = _named(plan.reason, state)
-    Console(stderr=True).print(f"[dim]plan: {plan.kind} over {' > '.join(names)}: {reason}[/]")
-    return ClusterInstance(coord, state, list(plan.nodes), job, timeout=timeout)
+        count_ok = args.nodes is None or len(p.nodes) == args.nodes
+        return (kind_ok or not kind) and (count_ok or not count)
+
+    def members(self) -> list[dict]:
+        """Every node the cluster knows of, and whether its agent answers now."""
+        known = self.coord.discover()
+        alive, dead = self.coord.alive(known)
+        return [
+            {"id": k, "name": n.name, "contact": known.contacts.get(k, ""), "alive": k not in dead}
+            for k, n in sorted(known.nodes.items(), key=lambda kv: kv[1].name)
+        ]
 
 
 def _named(text: str, state: ClusterState) -> str:

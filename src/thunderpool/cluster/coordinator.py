@@ -8,14 +8,17 @@ same command there (`--join` any agent of the cluster).
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from thunderpool.cluster.client import AgentClient, AgentError
 from thunderpool.cluster.launch import RankEvent
 from thunderpool.cluster.messages import (
     Hello,
+    Left,
     LinkMeasured,
     NodeInfo,
     ProbeRequest,
@@ -30,6 +33,8 @@ from thunderpool.planner.cost import LinkSpec, NodeSpec
 from thunderpool.planner.placement import Plan
 
 RING_PORT_BASE = 29500
+# An agent that does not answer within this is lost: the loss is seen within ~2.5 s.
+NODE_TIMEOUT_S = 2.0
 
 
 class Coordinator:
@@ -43,20 +48,48 @@ class Coordinator:
 
     def discover(self) -> ClusterState:
         """The membership every reachable seed knows of, merged."""
-        state, errors = ClusterState(), []
-        for seed in self.seeds:
+
+        def ask(seed: str) -> ClusterState | str:
             try:
-                known = ClusterState.model_validate(
-                    AgentClient(seed, self.token).call("GET", "/v1/state")
+                reply = AgentClient(seed, self.token).call(
+                    "GET", "/v1/state", timeout=NODE_TIMEOUT_S
                 )
+                return ClusterState.model_validate(reply)
             except AgentError as e:
-                errors.append(str(e))
+                return str(e)
+
+        with ThreadPoolExecutor(len(self.seeds)) as pool:
+            answers = list(pool.map(ask, self.seeds))
+        state = ClusterState()
+        errors = [a for a in answers if isinstance(a, str)]
+        for known in answers:
+            if isinstance(known, str):
                 continue
             for node_id, node in known.nodes.items():
                 state = apply(state, Hello(node=node, contact=known.contacts.get(node_id, "")))
         if not state.nodes:
             raise AgentError("; ".join(errors) or "no nodes found")
+        # Remember every member, so a later discovery survives the loss of the first seed.
+        self.seeds = list(dict.fromkeys([*self.seeds, *state.contacts.values()]))
         return state
+
+    def alive(self, state: ClusterState) -> tuple[ClusterState, list[str]]:
+        """The state without the nodes whose agents do not answer now, and their ids."""
+
+        def answers(node_id: str) -> bool:
+            try:
+                self.client(node_id, state).call("GET", "/v1/state", timeout=NODE_TIMEOUT_S)
+                return True
+            except AgentError:
+                return False
+
+        ids = list(state.nodes)
+        with ThreadPoolExecutor(max(len(ids), 1)) as pool:
+            up = dict(zip(ids, pool.map(answers, ids), strict=True))
+        dead = [n for n in ids if not up[n]]
+        for node_id in dead:
+            state = apply(state, Left(node_id=node_id))
+        return state, dead
 
     def probe(self, state: ClusterState) -> ClusterState:
         """Measure every pair of nodes, from the first to each address of the second."""
@@ -194,6 +227,12 @@ class ClusterInstance:
         self.job, self.timeout = job, timeout
         self.instance_id = uuid.uuid4().hex[:10]
         self.nodes = sorted(set(order))
+        self.leader_host = state.contacts[order[0]].rsplit(":", 1)[0]
+        self._interrupted = threading.Event()
+
+    def interrupt(self) -> None:
+        """Make `events()` return at its next check."""
+        self._interrupted.set()
 
     def __enter__(self) -> ClusterInstance:
         self.start()
@@ -238,18 +277,30 @@ class ClusterInstance:
         seen = dict.fromkeys(self.nodes, 0)
         limit = self.timeout if self.timeout is not None else float("inf")
         deadline = time.monotonic() + limit
-        while True:
+        while not self._interrupted.is_set():
             progressed, exits = False, {}
             for node in self.nodes:
                 try:
-                    # Long-poll the leader's node; glance at the others.
+                    # Long-poll the leader's node; glance at the others. Each poll also renews
+                    # the agent's lease on the instance, which it stops when polls cease.
                     wait = 0.5 if node == self.order[0] else 0.0
                     reply = self.coordinator.client(node, self.state).call(
-                        "GET", f"/v1/instances/{self.instance_id}?after={seen[node]}&wait={wait}"
+                        "GET",
+                        f"/v1/instances/{self.instance_id}?after={seen[node]}&wait={wait}",
+                        timeout=wait + NODE_TIMEOUT_S,
                     )
                 except AgentError as e:
                     self.kill()
-                    raise LaunchError(f"lost node {node}: {e}; stopped every rank") from None
+                    raise LaunchError(
+                        f"lost node {self._name(node)} (no answer within "
+                        f"{NODE_TIMEOUT_S:.0f} s: {e}); stopped every rank"
+                    ) from None
+                if not reply.get("known", True):
+                    self.kill()
+                    raise LaunchError(
+                        f"node {self._name(node)} no longer runs this instance (it restarted, "
+                        "or stopped the ranks when polls ceased); stopped every rank"
+                    )
                 for item in reply["events"]:
                     yield RankEvent(item["rank"], item["event"])
                     progressed = True
@@ -281,10 +332,19 @@ class ClusterInstance:
         return info.name if info else node
 
     def kill(self) -> None:
-        for node in self.nodes:
+        """Stop the ranks on every node at once; an unreachable node's agent stops its own
+        when the coordinator's polls cease (its lease), or its ranks died with it."""
+
+        def stop(node: str) -> None:
             try:
                 self.coordinator.client(node, self.state).call(
-                    "POST", "/v1/stop", StopInstance(instance_id=self.instance_id)
+                    "POST",
+                    "/v1/stop",
+                    StopInstance(instance_id=self.instance_id),
+                    timeout=NODE_TIMEOUT_S,
                 )
             except AgentError:
-                pass  # a lost node's agent stops its ranks when it notices, or died with them
+                pass
+
+        with ThreadPoolExecutor(len(self.nodes)) as pool:
+            list(pool.map(stop, self.nodes))

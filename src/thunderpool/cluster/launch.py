@@ -92,6 +92,12 @@ class LocalInstance:
         self.stderr_tail: list[deque[str]] = [deque(maxlen=20) for _ in range(n)]
         self.lines: queue.Queue = queue.Queue()
         self.tmp = tempfile.TemporaryDirectory(prefix="thunderpool-")
+        self.leader_host = "127.0.0.1"
+        self._interrupted = threading.Event()
+
+    def interrupt(self) -> None:
+        """Make `events()` return at its next check (the caller then kills or replaces us)."""
+        self._interrupted.set()
 
     def __enter__(self) -> LocalInstance:
         self.start()
@@ -137,6 +143,8 @@ class LocalInstance:
         limit = self.timeout if self.timeout is not None else float("inf")
         deadline = time.monotonic() + limit
         while open_streams or any(p.poll() is None for p in self.procs):
+            if self._interrupted.is_set():
+                return
             self._check_exits()
             if time.monotonic() > deadline:
                 self.kill()

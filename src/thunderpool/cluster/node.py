@@ -73,7 +73,9 @@ def node_main(args: argparse.Namespace) -> int:
         else next((i.address for i in info.interfaces), "127.0.0.1")
     )
     probe = ProbeServer(args.host, args.port + 1).start()
-    ranks = RankManager(resolve_model=lambda m: resolve_model(m, progress=False))
+    ranks = RankManager(
+        resolve_model=lambda m: resolve_model(m, progress=False), link_token=identity.token
+    )
     agent = Agent(identity, info, f"{address}:{args.port}", args.port + 1, ranks)
     server = uvicorn.Server(
         uvicorn.Config(create_agent_app(agent), host=args.host, port=args.port, log_level="warning")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -22,8 +23,14 @@ from pathlib import Path
 from thunderpool.cluster.blas import fast_blas_env
 from thunderpool.cluster.launch import _child_setup, one_core_env
 from thunderpool.cluster.messages import RankSpec
+from thunderpool.config import LINK_TOKEN_ENV
 from thunderpool.engine.job import RankJob
 from thunderpool.engine.worker import EVENT_PREFIX
+
+# A coordinator polls every instance several times a second; silence this long means it is
+# gone or cut off, and ranks left running would hang in collectives forever.
+LEASE_S = 5.0
+log = logging.getLogger("thunderpool.agent")
 
 
 @dataclass
@@ -40,13 +47,31 @@ class _Instance:
     tmp: tempfile.TemporaryDirectory = field(
         default_factory=lambda: tempfile.TemporaryDirectory(prefix="thunderpool-agent-")
     )
+    polled: float = field(default_factory=time.monotonic)
 
 
 class RankManager:
-    def __init__(self, resolve_model=None):
+    def __init__(self, resolve_model=None, link_token: str | None = None, lease: float = LEASE_S):
         self.instances: dict[str, _Instance] = {}
         self.lock = threading.Lock()
         self.resolve_model = resolve_model
+        # A serving leader checks this on its engine link; it never travels in a message.
+        self.link_token = link_token
+        self.lease = lease
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch_leases, name="leases", daemon=True).start()
+
+    def _watch_leases(self) -> None:
+        while not self._closed.wait(0.5):
+            now = time.monotonic()
+            for iid, inst in list(self.instances.items()):
+                if now - inst.polled > self.lease:
+                    log.warning(
+                        "instance %s: no poll from its coordinator for %.0f s; stopping its ranks",
+                        iid,
+                        self.lease,
+                    )
+                    self.stop(iid)
 
     def start(self, spec: RankSpec) -> None:
         job = RankJob.model_validate_json(spec.job)
@@ -56,6 +81,7 @@ class RankManager:
             job = job.model_copy(update={"model_dir": str(model_dir)})
         with self.lock:
             inst = self.instances.setdefault(spec.instance_id, _Instance())
+            inst.polled = time.monotonic()
         tmp = Path(inst.tmp.name)
         job_file = tmp / f"job-{spec.rank}.json"
         job_file.write_text(job.model_dump_json())
@@ -65,6 +91,7 @@ class RankManager:
             **spec.env,
             "MLX_RANK": str(spec.rank),
             **one_core_env(spec.cpu),
+            **({LINK_TOKEN_ENV: self.link_token} if self.link_token else {}),
         }
         for var, content in spec.files.items():
             path = tmp / f"{var.lower()}-{spec.rank}.json"
@@ -107,6 +134,7 @@ class RankManager:
         inst = self.instances.get(instance_id)
         if inst is None:
             return {"events": [], "exits": {}, "errors": {}, "known": False}
+        inst.polled = time.monotonic()
         deadline = time.monotonic() + min(wait, 5.0)
         while (
             len(inst.events) <= after
@@ -143,6 +171,7 @@ class RankManager:
         inst.tmp.cleanup()
 
     def stop_all(self) -> None:
+        self._closed.set()
         for iid in list(self.instances):
             self.stop(iid)
 

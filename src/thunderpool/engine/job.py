@@ -52,12 +52,10 @@ class BenchTask(_Frozen):
 
 
 class ServeTask(_Frozen):
-    """Serve the OpenAI-compatible API from the leader rank, batching requests continuously."""
+    """Batch requests continuously on the leader, which takes them over the engine link."""
 
     kind: Literal["serve"] = "serve"
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = None
+    link_host: str = "127.0.0.1"  # where the leader listens for the serve process's gateway
     model_name: str
     max_batch: int = Field(8, ge=1)
     max_context: int | None = Field(None, ge=2)

@@ -115,8 +115,11 @@ class Scheduler:
                     self._wake.wait(0.05)
                     self._wake.clear()
         except BaseException as e:
+            # Requests that streamed tokens end here; the rest never started, and the serve
+            # process runs them again on the next instance when this one is gone.
             for seq in self._all():
-                seq.emit(Delta("", "error", len(seq.prompt), seq.generated, error=str(e)))
+                if seq.generated:
+                    seq.emit(Delta("", "error", len(seq.prompt), seq.generated, error=str(e)))
             raise
         finally:
             self.control.send({"op": "stop"})

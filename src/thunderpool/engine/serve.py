@@ -1,12 +1,11 @@
-"""A rank of a serving instance: the leader runs the HTTP API and the scheduler, others follow.
+"""A rank of a serving instance: the leader runs the scheduler, the others follow.
 
-The leader opens the API before loading, so /health reports load progress; requests are
-accepted once every rank has its shard.
+The HTTP API lives in the serve process (serving/gateway.py), which outlives any rank: the
+leader takes requests from it over the engine link and streams deltas back.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from thunderpool.config import link_token_from_env
 from thunderpool.engine.control import Control
 from thunderpool.engine.engine import follow
 from thunderpool.engine.job import RankJob, ServeTask
@@ -38,82 +38,71 @@ def serve(
     layout: Layout,
     emit: Callable[..., None],
 ) -> None:
-    model_dir = Path(job.model_dir)
-    client = _start_api(job, task, emit) if group.rank() == 0 else None
     from thunderpool.engine.worker import load_progress
 
-    report = load_progress(group.rank())
-
-    def progress(fraction: float) -> None:
-        report(fraction)
-        if client is not None:
-            client.progress = fraction
-
-    try:
-        runner, config, stats = load_shard(model_dir, group, layout, progress)
-    except Exception as e:
-        if client is not None:
-            client.failed = str(e)
-        raise
+    token = link_token_from_env()
+    if group.rank() == 0 and not token:
+        raise LaunchError("no engine-link token in the environment; start ranks with `serve`")
+    runner, config, stats = load_shard(
+        Path(job.model_dir), group, layout, load_progress(group.rank())
+    )
     emit("loaded", **stats.as_event())
     memory = gather(group, [stats.param_bytes, peak_rss_bytes()])
     control = Control(group)
-    if client is None:
+    if group.rank() != 0:
         follow(runner, control)
         return
-    from thunderpool.engine.scheduler import Scheduler
+    from mlx_lm.utils import load_tokenizer
 
-    client.rank_memory = {r: float(rss) for r, (_, rss) in enumerate(memory)}
-    client.info.cluster.update(
-        _cluster_info(task.model_name, config, layout, group.size(), memory, stats.method)
-    )
+    from thunderpool.engine.scheduler import Scheduler
+    from thunderpool.serving.leader import LeaderServer
+
+    tokenizer = load_tokenizer(Path(job.model_dir), eos_token_ids=config.get("eos_token_id"))
+    limit = config.get("max_position_embeddings") or 4096
+    max_context = min(task.max_context or limit, limit)
     scheduler = Scheduler(
         runner,
         control,
-        client.tokenizer,
+        tokenizer,
         prefill_chunk=job.prefill_chunk,
         max_batch=task.max_batch,
-        max_context=client.info.max_context,
+        max_context=max_context,
     )
-    client.attach(scheduler)
-    emit("ready")
-    scheduler.run()
+    loaded_memory = {f"rank{r}_memory_bytes": float(rss) for r, (_, rss) in enumerate(memory)}
+
+    def metrics() -> dict[str, float]:
+        c = scheduler.counters
+        return loaded_memory | {
+            "requests_total": c.requests_total,
+            "tokens_generated_total": c.tokens_generated_total,
+            "prompt_tokens_total": c.prompt_tokens_total,
+            "ttft_seconds": c.ttft_seconds,
+            "decode_tokens_per_second": c.decode_tps(),
+            "queue_depth": scheduler.queue_depth,
+            "active_requests": len(scheduler.active) + (1 if scheduler.prefilling else 0),
+            "leader_mlx_active_bytes": mx.get_active_memory(),
+            "leader_rss_bytes": current_rss_bytes(),
+            "leader_time": time.time(),
+        }
+
+    cluster = _cluster_info(task.model_name, config, layout, group.size(), memory, stats.method)
+    server = LeaderServer(task.link_host, token, scheduler, cluster, max_context, metrics).start()
+    emit("ready", link_port=server.port)
+    try:
+        scheduler.run()
+    finally:
+        server.shutdown()
 
 
-def _start_api(job: RankJob, task: ServeTask, emit: Callable[..., None]):
-    import uvicorn
-    from mlx_lm.utils import load_tokenizer
+def current_rss_bytes() -> float:
+    """This process's resident memory now (Linux /proc; 0 where unavailable)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    import os
 
-    from thunderpool.api.dashboard import mount_dashboard
-    from thunderpool.api.routes import create_app
-    from thunderpool.engine.client import SchedulerClient
-    from thunderpool.engine.loader import read_config
-    from thunderpool.engine.service import EngineInfo
-
-    model_dir = Path(job.model_dir)
-    config = read_config(model_dir)
-    tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
-    limit = config.get("max_position_embeddings") or 4096
-    max_context = min(task.max_context or limit, limit)
-    info = EngineInfo(task.model_name, max_context, int(time.time()), {"model": task.model_name})
-    client = SchedulerClient(info, tokenizer)
-    app = create_app(client, api_key=task.api_key)
-    mount_dashboard(app)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=task.host, port=task.port, log_level="warning", access_log=False)
-    )
-    thread = threading.Thread(target=server.run, name="api", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise LaunchError(
-                f"cannot listen on {task.host}:{task.port} (in use or not an address of this "
-                "host); pass another --port or --host"
-            )
-        time.sleep(0.02)
-    emit("listening", url=f"http://{task.host}:{task.port}")
-    return client
+    return float(pages * os.sysconf("SC_PAGE_SIZE"))
 
 
 def _cluster_info(

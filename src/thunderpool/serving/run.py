@@ -1,0 +1,164 @@
+"""`thunderpool serve`: the API and dashboard live in this process; the ranks come and go.
+
+The gateway (API side) is up before any rank loads, so /health shows load progress, and it
+stays up across a lost node while the supervisor replans and starts a new instance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import secrets
+import threading
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from thunderpool.errors import LaunchError, ThunderpoolError
+
+MEMBERS_EVERY_S = 2.0
+
+
+def check_exposure(host: str, api_key: str | None, insecure: bool) -> None:
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        raise ThunderpoolError(f"--host {host} is not an IP address; use e.g. 0.0.0.0") from None
+    if not loopback and not api_key and not insecure:
+        raise ThunderpoolError(
+            f"--host {host} exposes the API beyond this machine; pass --api-key KEY or set "
+            "$THUNDERPOOL_API_KEY (or --insecure to serve without one)"
+        )
+
+
+def serve_main(args: argparse.Namespace, console: Console) -> int:
+    from mlx_lm.utils import load_tokenizer
+
+    from thunderpool.config import api_key_from_env
+    from thunderpool.engine.loader import read_config
+    from thunderpool.engine.service import EngineInfo
+    from thunderpool.models.source import resolve_model
+    from thunderpool.serving.gateway import Gateway
+    from thunderpool.serving.supervisor import Supervisor
+
+    api_key = args.api_key or api_key_from_env()
+    check_exposure(args.host, api_key, args.insecure)
+    model_dir = resolve_model(args.model)
+    config = read_config(model_dir)
+    tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    limit = config.get("max_position_embeddings") or 4096
+    max_context = min(args.max_context or limit, limit)
+    name = model_dir.name
+    info = EngineInfo(name, max_context, int(time.time()), {"model": name})
+    if args.cluster:
+        plan, token, members = _cluster(args, name, max_context, console)
+    else:
+        token, members = secrets.token_urlsafe(24), None
+        plan = _local(args, model_dir, name, max_context, token)
+    gateway = Gateway(info, tokenizer, token)
+    supervisor = Supervisor(gateway, plan, console, on_event=_print_loaded(console))
+    url = _start_api(args, gateway, supervisor, api_key)
+    console.print(f"API and dashboard at {url} (loading {name}); Ctrl-C stops every rank")
+    if members is not None:
+        threading.Thread(target=_watch_members, args=(gateway, members), daemon=True).start()
+    try:
+        supervisor.run()
+    finally:
+        supervisor.stop()
+    return 0
+
+
+def _local(args, model_dir: Path, name: str, max_context: int, token: str):
+    from thunderpool.cluster.launch import LocalInstance
+    from thunderpool.config import LINK_TOKEN_ENV
+    from thunderpool.engine.job import RankJob, ServeTask
+    from thunderpool.engine.loader import Layout, preflight
+
+    nodes, parallel = args.nodes or 2, args.parallel or "tp"
+    preflight(model_dir, nodes, Layout(parallel, args.tp_weights, args.layer_split))
+    job = RankJob(
+        model_dir=str(model_dir),
+        world_size=nodes,
+        parallel=parallel,
+        tp_weights=args.tp_weights,
+        layer_split=args.layer_split,
+        prefill_chunk=args.prefill_chunk,
+        task=ServeTask(model_name=name, max_batch=args.max_batch, max_context=max_context),
+    )
+    # On one host a lost rank is restarted in the same layout; the token authenticates the
+    # gateway to the leader and reaches the ranks through their environment only.
+    return lambda first: LocalInstance(job, timeout=None, env={LINK_TOKEN_ENV: token})
+
+
+def _cluster(args, name: str, max_context: int, console: Console):
+    from thunderpool.cluster.cli import ClusterPlanner
+    from thunderpool.engine.job import RankJob, ServeTask
+
+    def make_job(world: int, layout: dict, _model_dir: str | None = None) -> RankJob:
+        # Each node resolves the model as the user named it to its own copy.
+        return RankJob(
+            model_dir=args.model or "",
+            world_size=world,
+            prefill_chunk=args.prefill_chunk,
+            task=ServeTask(
+                link_host="0.0.0.0",
+                model_name=name,
+                max_batch=args.max_batch,
+                max_context=max_context,
+            ),
+            **layout,
+        )
+
+    planner = ClusterPlanner(args, make_job, None, console)
+    return planner, planner.coord.token, planner.members
+
+
+def _watch_members(gateway, members) -> None:
+    """Keep /v1/cluster's member list fresh: a node that comes back shows up, unused."""
+    while True:
+        try:
+            gateway.set_cluster(members=members())
+        except Exception:  # noqa: BLE001 - no seed answers right now; keep the last list
+            pass
+        time.sleep(MEMBERS_EVERY_S)
+
+
+def _print_loaded(console: Console):
+    """Per-rank load lines on the terminal (the dashboard draws the progress bar)."""
+
+    def show(ev) -> None:
+        e = ev.event
+        if e["kind"] == "loaded":
+            console.print(
+                f"[dim]rank {ev.rank}: layers {e['layers'][0]}-{e['layers'][1] - 1}, "
+                f"{e['param_bytes'] / 2**20:,.1f} MiB of weights in {e['seconds']:.1f} s[/]"
+            )
+
+    return show
+
+
+def _start_api(args, gateway, supervisor, api_key: str | None) -> str:
+    import uvicorn
+
+    from thunderpool.api.dashboard import mount_dashboard
+    from thunderpool.api.routes import create_app
+    from thunderpool.serving.admin import mount_admin
+
+    app = create_app(gateway, api_key=api_key)
+    mount_admin(app, supervisor, api_key)
+    mount_dashboard(app)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    )
+    thread = threading.Thread(target=server.run, name="api", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise LaunchError(
+                f"cannot listen on {args.host}:{args.port} (in use or not an address of this "
+                "host); pass another --port or --host"
+            )
+        time.sleep(0.02)
+    return f"http://{args.host}:{args.port}"

@@ -1,0 +1,152 @@
+"""Keeps a serving instance running: launch, watch, and on a loss replan and launch again.
+
+The first instance failing to start is the user's error (bad model, no fit) and ends `serve`.
+Once one has served, a lost rank or node makes the gateway answer 503 while the supervisor
+plans on the nodes that are left and starts a new instance; if nothing fits it keeps trying
+as nodes come back. A replan the user asks for waits for running requests to finish first.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from rich.console import Console
+
+from thunderpool.errors import LaunchError, ThunderpoolError
+from thunderpool.serving.gateway import Gateway
+
+RETRY_S = 2.0  # between attempts to plan when the model fits nowhere
+MAX_START_FAILURES = 3  # instances in a row that die before serving: give up
+DRAIN_S = 120.0  # how long a requested replan waits for running requests
+
+
+class Instance(Protocol):
+    leader_host: str
+
+    def __enter__(self): ...
+    def __exit__(self, *exc): ...
+    def events(self): ...
+    def interrupt(self) -> None: ...
+
+
+class Supervisor:
+    def __init__(
+        self,
+        gateway: Gateway,
+        plan: Callable[[bool], Instance],
+        console: Console,
+        on_event: Callable[[object], None] = lambda ev: None,
+    ):
+        self.gateway, self.plan, self.console, self.on_event = gateway, plan, console, on_event
+        self.instance: Instance | None = None
+        self.generation = 0  # instances started so far (the dashboard and tests read it)
+        self._replan = threading.Event()
+        self._stopping = False
+        self._last_error = ""
+        gateway.on_link_lost = self._link_lost
+
+    def request_replan(self) -> None:
+        """Move to a new plan (e.g. a node rejoined) once running requests have finished."""
+        self._replan.set()
+        if self.instance is not None:
+            self.instance.interrupt()
+
+    def run(self) -> None:
+        first, failures = True, 0
+        while not self._stopping:
+            try:
+                instance = self.plan(first)
+            except ThunderpoolError as e:
+                if first:
+                    raise
+                self.gateway.loading(0.0, f"waiting for nodes: {e}", "recovering")
+                time.sleep(RETRY_S)
+                continue
+            served = self._run_one(instance, first)
+            first = False
+            failures = 0 if served else failures + 1
+            if failures >= MAX_START_FAILURES:
+                self.gateway.lost("the instance failed to start 3 times in a row", "failed")
+                raise LaunchError(f"{self.gateway.detail}; last error: {self._last_error}")
+
+    def _run_one(self, instance: Instance, first: bool) -> bool:
+        """Run one instance until it ends; True when it reached ready."""
+        self.instance, served = instance, False
+        self.generation += 1
+        phase = "loading" if first else "recovering"
+        self.gateway.loading(0.0, "loading model shards", phase)
+        world = getattr(getattr(instance, "job", None), "world_size", 1)
+        done: dict[int, float] = {}
+        try:
+            with instance:
+                for ev in instance.events():
+                    e = ev.event
+                    self.on_event(ev)
+                    match e["kind"]:
+                        case "progress":
+                            done[ev.rank] = e["fraction"]
+                        case "loaded":
+                            done[ev.rank] = 1.0
+                        case "ready":
+                            self.gateway.attach(instance.leader_host, e["link_port"])
+                            served = True
+                            about = describe(instance, self.generation)
+                            self.gateway.set_cluster(instance=about)
+                            self.console.print(
+                                f"ready: {about['parallel']} on {', '.join(about['nodes'])} "
+                                f"(instance {about['generation']})"
+                            )
+                    if e["kind"] in ("progress", "loaded") and not served:
+                        fraction = sum(done.values()) / world
+                        self.gateway.loading(fraction, "loading model shards", phase)
+                    if self._replan.is_set() and served:
+                        break
+                if self._replan.is_set():
+                    self._drain()
+        except (LaunchError, OSError) as e:
+            self._last_error = str(e)
+            if first and not served:
+                self.gateway.lost(str(e), "failed")
+                raise
+            self.console.print(f"[red]instance lost[/]: {e}; replanning")
+        finally:
+            self.instance = None
+        self.gateway.lost(self._last_error or "replanning", "recovering")
+        self._replan.clear()
+        return served
+
+    def _drain(self) -> None:
+        """A requested replan: 503 for new requests, let running ones finish (bounded)."""
+        self.gateway.draining("replanning")
+        deadline = time.monotonic() + DRAIN_S
+        while self.gateway.active_count() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self._last_error = "replanning on request"
+
+    def _link_lost(self, reason: str) -> None:
+        self._last_error = reason
+        if self.instance is not None:
+            self.instance.interrupt()
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self.instance is not None:
+            self.instance.interrupt()
+
+
+def describe(instance: Instance, generation: int) -> dict:
+    """What /v1/cluster says about the running instance."""
+    job = getattr(instance, "job", None)
+    world = job.world_size if job else 1
+    state = getattr(instance, "state", None)
+    order = getattr(instance, "order", None)
+    if state is not None and order is not None:
+        nodes = [state.nodes[n].name for n in order]
+        hosts = [state.contacts[n].rsplit(":", 1)[0] for n in order]
+    else:
+        nodes, hosts = [f"rank{r}" for r in range(world)], ["127.0.0.1"] * world
+    parallel = (job.parallel if world > 1 else "single") if job else "single"
+    return {"generation": generation, "parallel": parallel, "nodes": nodes, "hosts": hosts}

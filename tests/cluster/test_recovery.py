@@ -1,0 +1,311 @@
+"""Node loss on the namespace testbed: `serve --cluster` survives a killed rank, a killed agent
+and a cut cable, and a node that comes back rejoins without disturbing the running instance.
+
+Three hosts, a two-node PP instance (the namespaces share two cores, so the planner allows two
+ranks at most): after a loss there is always a plan for two on the nodes left.
+
+Each loss happens in the middle of a streaming request, with a second request queued behind
+it (--max-batch 1). The stream must end with an error event and a closed connection; a request
+sent during recovery gets 503 with Retry-After; the queued request is run after recovery with
+exactly the text it gets alone; no rank of the lost instance is left on any host.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from testbed import Testbed, available, wait_until
+
+from thunderpool.cluster.client import AgentError
+from thunderpool.cluster.coordinator import Coordinator
+
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(available() is not None, reason=str(available())),
+]
+
+TOKEN = "recovery-token-123"
+PORT = 7070
+API_PORT = 18431
+URL = f"http://127.0.0.1:{API_PORT}"
+LONG = "Tell me a very long story about the sea."
+SHORT = "Name three colors."
+
+
+def node_cmd(bed: Testbed, i: int, home: Path, *extra: str) -> list[str]:
+    return [
+        "env",
+        f"THUNDERPOOL_HOME={home}/home{i}",
+        sys.executable,
+        "-m",
+        "thunderpool",
+        "node",
+        "--host",
+        bed.host(i).ip,
+        "--port",
+        str(PORT),
+        "--no-mdns",
+        "--no-measure",
+        "--token",
+        TOKEN,
+        *extra,
+    ]
+
+
+def workers(bed: Testbed, i: int) -> set[int]:
+    """Rank processes running inside host i's namespace."""
+    out = subprocess.run(
+        ["ip", "netns", "pids", bed.host(i).netns], capture_output=True, text=True
+    ).stdout
+    pids = set()
+    for pid in out.split():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"thunderpool.engine.worker" in cmd:
+            pids.add(int(pid))
+    return pids
+
+
+def all_workers(bed: Testbed) -> set[int]:
+    return set().union(*(workers(bed, i) for i in (1, 2, 3)))
+
+
+def complete(prompt: str, max_tokens: int = 24) -> str:
+    r = httpx.post(
+        f"{URL}/v1/completions",
+        json={"model": "tiny-chat", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def cluster_info() -> dict:
+    return httpx.get(f"{URL}/v1/cluster", timeout=10).json()
+
+
+def ready() -> bool:
+    try:
+        return httpx.get(f"{URL}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_chat):
+    home = tmp_path_factory.mktemp("recovery")
+    with Testbed(3) as bed:
+        first = f"{bed.host(1).ip}:{PORT}"
+        agents = {1: bed.popen(1, node_cmd(bed, 1, home), stderr=subprocess.DEVNULL)}
+        coord = Coordinator([first], TOKEN)
+        assert wait_until(lambda: _known(coord) == 1, timeout=60, interval=0.5)
+        for i in (2, 3):
+            agents[i] = bed.popen(
+                i, node_cmd(bed, i, home, "--join", first), stderr=subprocess.DEVNULL
+            )
+        assert wait_until(lambda: _known(coord) == 3, timeout=60, interval=0.5)
+        log = open(home / "serve.log", "w")  # noqa: SIM115 - closed at teardown
+        serve = subprocess.Popen(
+            [
+                *("env", f"THUNDERPOOL_HOME={home}/serve", sys.executable, "-m"),
+                *("thunderpool", "serve", "--cluster", "--join", first, "--token", TOKEN),
+                *("--model", str(tiny_chat), "--parallel", "pp", "--nodes", "2"),
+                *("--max-batch", "1", "--port", str(API_PORT)),
+            ],
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+        try:
+            up = wait_until(lambda: ready() or serve.poll() is not None, timeout=240, interval=0.5)
+            assert up and serve.poll() is None, (home / "serve.log").read_text()
+            reference = {p: complete(p) for p in (SHORT, "What is two plus two?")}
+            yield bed, home, agents, reference
+        finally:
+            serve.terminate()
+            try:
+                serve.wait(20)
+            except subprocess.TimeoutExpired:
+                serve.kill()
+            log.close()
+
+
+LOST: list[int] = []  # the host whose agent was killed, for the rejoin test
+
+
+def _follower(bed: Testbed) -> int:
+    """A host running a rank of the instance but not its leader."""
+    hosts = cluster_info()["instance"]["hosts"]
+    return next(i for i in (1, 2, 3) if bed.host(i).ip in hosts[1:])
+
+
+def _known(coord: Coordinator) -> int:
+    try:
+        return len(coord.discover().nodes)
+    except AgentError:
+        return 0
+
+
+def _lose_during_stream(served, lose) -> dict:
+    """Stream LONG; once tokens flow, queue SHORT behind it, then `lose()` something.
+
+    Returns what happened: the stream's events, the 503 seen during recovery, the queued text.
+    """
+    bed, home, _, reference = served
+    before = cluster_info()["instance"]
+    old = all_workers(bed)
+    assert len(old) == len(before["nodes"])
+    events: list[str] = []
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    started = concurrent.futures.Future()
+
+    def stream() -> None:
+        body = {"model": "tiny-chat", "prompt": LONG, "max_tokens": 1500, "temperature": 0}
+        with httpx.stream(
+            "POST", f"{URL}/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        started.set_result(True)
+
+    streaming = pool.submit(stream)
+    started.result(timeout=60)
+    queued = pool.submit(complete, SHORT)
+    assert wait_until(lambda: _metric("gateway_requests_waiting") >= 1, timeout=10)
+    lose()
+    streaming.result(timeout=30)  # the stream ends (error event, connection closed): no hang
+    # The loss is known once /health stops saying ok; from then on new requests get 503.
+    assert wait_until(lambda: not ready(), timeout=10)
+    during = httpx.post(
+        f"{URL}/v1/completions",
+        json={"model": "tiny-chat", "prompt": "x", "max_tokens": 2},
+        timeout=10,
+    )
+    text = queued.result(timeout=240)
+    pool.shutdown()
+    assert wait_until(ready, timeout=60, interval=0.5)
+    after = cluster_info()["instance"]
+    return {
+        "events": events,
+        "during": during,
+        "queued": text,
+        "reference": reference[SHORT],
+        "reference_2": reference["What is two plus two?"],
+        "before": before,
+        "after": after,
+        "old_workers": old,
+        "log": (home / "serve.log").read_text(),
+    }
+
+
+def _metric(name: str) -> float:
+    text = httpx.get(f"{URL}/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith(f"thunderpool_{name} "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _check(outcome: dict, bed: Testbed) -> None:
+    last = json.loads(outcome["events"][-1])
+    assert "error" in last, outcome["events"][-3:]
+    assert "[DONE]" not in outcome["events"]
+    during = outcome["during"]
+    assert during.status_code == 503 and during.headers["retry-after"] == "5"
+    assert during.json()["error"]["code"] == "model_not_ready"
+    assert outcome["queued"] == outcome["reference"]
+    assert outcome["after"]["generation"] == outcome["before"]["generation"] + 1
+    # Every rank of the lost instance is gone from every host (a cut-off host's agent stops
+    # its ranks once the coordinator's polls stop coming).
+    assert wait_until(lambda: not (outcome["old_workers"] & all_workers(bed)), timeout=20)
+    assert complete("What is two plus two?") == outcome["reference_2"]
+
+
+def test_a_killed_rank_is_replaced_and_queued_requests_run(served):
+    bed = served[0]
+    victim = max(workers(bed, _follower(bed)))
+    outcome = _lose_during_stream(served, lambda: subprocess.run(["kill", "-9", str(victim)]))
+    _check(outcome, bed)
+    # Every node still answers, so the new instance is again PP over two of them.
+    assert len(outcome["after"]["nodes"]) == 2
+    assert "exited with code -9" in outcome["log"]
+
+
+def test_a_killed_agent_is_left_out_of_the_new_plan(served):
+    bed, _, agents, _ = served
+    victim = _follower(bed)
+    LOST.append(victim)
+    lost_ip = bed.host(victim).ip
+    # `ip netns exec` and `env` exec in place: the pid is the agent's own.
+    outcome = _lose_during_stream(served, lambda: agents[victim].kill())
+    _check(outcome, bed)
+    assert lost_ip not in outcome["after"]["hosts"] and len(outcome["after"]["hosts"]) == 2
+    members = {m["contact"].split(":")[0]: m["alive"] for m in cluster_info()["members"]}
+    assert wait_until(
+        lambda: (
+            {m["contact"].split(":")[0]: m["alive"] for m in cluster_info()["members"]}[lost_ip]
+            is False
+        ),
+        timeout=10,
+    ), members
+
+
+def test_a_node_that_comes_back_rejoins_and_a_replan_uses_it(served):
+    bed, home, agents, reference = served
+    back = LOST[0]
+    seed = next(f"{bed.host(i).ip}:{PORT}" for i in (1, 2, 3) if i != back)
+    agents[back] = bed.popen(
+        back, node_cmd(bed, back, home, "--join", seed), stderr=subprocess.DEVNULL
+    )
+    lost_ip = bed.host(back).ip
+
+    def alive() -> bool:
+        members = cluster_info().get("members", [])
+        return any(m["contact"].startswith(lost_ip) and m["alive"] for m in members)
+
+    assert wait_until(alive, timeout=60, interval=0.5)
+    generation = cluster_info()["instance"]["generation"]
+    time.sleep(3)  # a membership refresh or two later, the instance is still the same one
+    assert cluster_info()["instance"]["generation"] == generation
+    assert complete(SHORT) == reference[SHORT]
+    r = httpx.post(f"{URL}/v1/admin/replan", timeout=10)
+    assert r.status_code == 202
+    assert wait_until(
+        lambda: ready() and cluster_info()["instance"]["generation"] == generation + 1,
+        timeout=120,
+        interval=0.5,
+    )
+    assert len(cluster_info()["instance"]["hosts"]) == 2
+    assert complete(SHORT) == reference[SHORT]
+
+
+def test_a_cut_cable_is_detected_and_the_cut_off_ranks_stop(served):
+    bed = served[0]
+    back = LOST[0]  # rejoined in the test above
+    # Cut a node of the instance other than the one that came back: the new plan for two
+    # must then use the node that rejoined.
+    hosts = cluster_info()["instance"]["hosts"]
+    victim = next(i for i in (1, 2, 3) if i != back and bed.host(i).ip in hosts)
+    port = bed.host(victim).port
+    try:
+        outcome = _lose_during_stream(
+            served, lambda: subprocess.run(["ip", "link", "set", port, "down"], check=True)
+        )
+        assert "no answer within 2 s" in outcome["log"]
+        _check(outcome, bed)
+        assert bed.host(victim).ip not in outcome["after"]["hosts"]
+        assert bed.host(back).ip in outcome["after"]["hosts"]
+        assert not workers(bed, victim)
+    finally:
+        subprocess.run(["ip", "link", "set", port, "up"], check=True)
