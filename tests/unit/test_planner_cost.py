@@ -102,3 +102,43 @@ def test_missing_link_and_bad_node_are_named():
         NodeSpec("x", GiB, GiB, 0, 1e12)
     with pytest.raises(ThunderpoolError, match="'carrier-pigeon'"):
         LinkSpec("a", "b", 1.0, 1.0, "carrier-pigeon")
+
+
+def test_rdma_all_reduce_is_one_mesh_round_plus_the_fixed_overhead():
+    # MLX jaccl sends the whole buffer to every peer at once: latency and bytes once, any n.
+    rdma = LinkSpec("a", "b", 5e-6, 10e9, "rdma", overhead_s=4e-6)
+    assert rdma.all_reduce_s(1e6, 4) == pytest.approx(4e-6 + 5e-6 + 1e6 / 10e9, rel=1e-12)
+    assert rdma.all_reduce_s(1e6, 2) == rdma.all_reduce_s(1e6, 4)
+    ring = LinkSpec("a", "b", 1e-3, 1e9, "ethernet", overhead_s=5e-5)
+    assert ring.all_reduce_s(1024, 2) == pytest.approx(5e-5 + 1024 / 1e9 + 2e-3, rel=1e-12)
+    assert ring.hop_s(1024) == pytest.approx(5e-5 + 1e-3 + 1024 / 1e9, rel=1e-12)
+
+
+def test_dispatch_floor_does_not_shrink_with_tp():
+    spec = model_spec_from_config(CONFIG)
+    assert spec.matmuls_per_layer == (7,) * 8  # q, k, v, o, gate, up, down
+    slow = NodeSpec("a", 64 * GiB, 60 * GiB, 100e9, 1e15, op_latency_s=10e-6)
+    nodes = {"a": slow, "b": NodeSpec("b", 64 * GiB, 60 * GiB, 100e9, 1e15, op_latency_s=10e-6)}
+    single = predict(spec, [Stage(("a",), (0, 8), (1.0,))], nodes, [], prompt_tokens=16)
+    link = LinkSpec("a", "b", 0.0, 1e12, "rdma")
+    tp = predict(spec, [Stage(("a", "b"), (0, 8), (1.0, 1.0))], nodes, [link], prompt_tokens=16)
+    # 8 layers x 7 matmuls + the output head, 10 us each, on every rank whatever its share.
+    assert single.breakdown.dispatch_s == pytest.approx(57 * 10e-6, rel=1e-12)
+    assert tp.breakdown.dispatch_s == single.breakdown.dispatch_s
+    assert tp.breakdown.memory_s < 0.6 * single.breakdown.memory_s
+    step = sum((single.breakdown.memory_s, single.breakdown.compute_s, single.breakdown.dispatch_s))
+    assert single.decode_tps == pytest.approx(1 / step, rel=1e-12)
+
+
+def test_unfused_mla_attention_reads_the_latent_twice_plus_scores():
+    from dataclasses import replace
+
+    spec = model_spec_from_config(CONFIG)
+    nodes = {"a": node("a")}
+    stage = [Stage(("a",), (0, 8), (1.0,))]
+    fused = predict(spec, stage, nodes, [], prompt_tokens=1000)
+    unfused = predict(replace(spec, attn_fused=False), stage, nodes, [], prompt_tokens=1000)
+    cache = 1000 * spec.kv_bytes_per_token_per_layer * 8
+    scores = 16 * 8 * 1000 * 8  # 2-byte scores, ~8 passes, per head per cached token per layer
+    extra = (cache + scores) / 100e9
+    assert unfused.breakdown.memory_s - fused.breakdown.memory_s == pytest.approx(extra, rel=1e-9)

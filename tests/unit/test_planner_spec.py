@@ -128,3 +128,54 @@ def test_unknown_model_type_is_named():
 def test_missing_config_names_the_directory(tmp_path):
     with pytest.raises(ModelError, match="no config.json"):
         model_spec(tmp_path)
+
+
+def _bundled(name):
+    from importlib import resources
+
+    folder = resources.files("thunderpool.planner").joinpath("configs")
+    return json.loads(folder.joinpath(f"{name}.json").read_text())
+
+
+def test_glm5_matches_its_published_sizes():
+    config = _bundled("glm-5")
+    spec = model_spec_from_config(config)
+    # GLM-5 README: 744B parameters, 40B active.
+    assert round(spec.params / 1e9) == 744 and round(spec.active_params / 1e9) == 41
+    # MLA latent + rope, plus the DSA indexer's 128-wide keys, per layer.
+    assert spec.kv_bytes_per_token_per_layer == (512 + 64 + 128) * 2
+    assert spec.attn_fused is False and spec.attn_dim == 2 * 512 + 64
+    # mlx-community/GLM-5-8bit-MXFP8 is 767 GB: 8 bits + one 8-bit scale per 32 weights.
+    mx = model_spec_from_config(
+        {**config, "quantization": {"bits": 8, "group_size": 32, "mode": "mxfp8"}}
+    )
+    assert mx.total_bytes / 1e9 == pytest.approx(767, rel=0.01)
+    assert mx.total_bytes == pytest.approx(spec.total_bytes * 8.25 / 16, rel=1e-3)
+
+
+def test_deepseek_v4_flash_native_storage():
+    spec = model_spec_from_config(_bundled("deepseek-v4-flash"))
+    # Model card: 284B total, 13B active.
+    assert round(spec.params / 1e9) == 284 and round(spec.active_params / 1e9) == 13
+    # model.safetensors.index.json: 159.6 GB including the ~3.6 GB MTP block we leave out.
+    assert spec.total_bytes / 1e9 == pytest.approx(159.6 - 3.6, rel=0.02)
+    # fp4 experts with a 1-byte scale per 32 values: 4.25 bits per routed weight.
+    expert = 3 * 4096 * 2048
+    assert spec.expert_bytes_per_layer[5] == 256 * expert * 4.25 / 8
+    # Attention over compressed entries: ratio-4 layers see the window + top-512, ratio 128
+    # layers the window + kv_len / 128, ratio-0 layers the window only.
+    assert [spec.attended(i, 65536) for i in (0, 2, 3)] == [128, 128 + 512, 128 + 512]
+    assert spec.attended(3, 1024) == 128 + 8
+
+
+def test_hf_fp8_blocks_and_mlx_formats_count_scales():
+    from thunderpool.planner.layers import Weights, weights_for
+
+    fp8 = weights_for(
+        {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, 2
+    )
+    # One byte per weight plus one ue8m0 scale per 128x128 block (rounded up).
+    assert fp8.matrix(512, 4096, "model.layers.0.self_attn.wkv") == 512 * 4096 + 4 * 32
+    assert fp8.matrix(129280, 4096, "model.embed_tokens") == 129280 * 4096 * 2  # kept bf16
+    mx4 = Weights(2, {"bits": 4, "group_size": 32, "mode": "mxfp4"})
+    assert mx4.matrix(64, 64) == 64 * 64 // 2 + 64 * 64 // 32

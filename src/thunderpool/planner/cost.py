@@ -1,9 +1,11 @@
 """Roofline cost model: predicted decode and prefill speed of a layout over nodes and links.
 
-Each rank's time is max(bytes read / memory bandwidth, FLOPs / compute). A TP stage runs its
-ranks in parallel (the slowest rank sets the pace) and pays 2 ring all-reduces per layer; PP
-stages run one after another for a single stream and pay one hop per stage boundary, plus the
-hop that returns the last hidden state to rank 0 (which holds the embedding and output head).
+Each rank's decode time is max(bytes read / memory bandwidth, FLOPs / compute) plus a fixed
+dispatch cost per weight matmul (kernel launch and sync: it does not shrink when TP splits the
+matmul). A TP stage runs its ranks in parallel (the slowest rank sets the pace) and pays 2
+all-reduces per layer; PP stages run one after another for a single stream and pay one hop per
+stage boundary, plus the hop that returns the last hidden state to rank 0 (which holds the
+embedding and output head). Every collective also pays its link's fixed software overhead.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ LINK_KINDS = ("rdma", "thunderbolt", "ethernet", "wifi", "loopback")
 
 
 CONTROL_BYTES = 512  # engine/control.py's header: one per decode step on >1 rank
+# Unfused attention (head widths MLX's fused decode kernel lacks, e.g. MLA's 576) writes and
+# reads 2-byte scores per head per cached token ~8 times: QK, mask, softmax, PV.
+SCORE_BYTES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +41,8 @@ class NodeSpec:
     mem_bw_Bps: float
     flops: float
     os_reserve_bytes: int = 0
+    # Seconds a decode step pays per weight matmul whatever its size (launch + sync).
+    op_latency_s: float = 0.0
     # Nodes with the same non-empty `host` share one machine (e.g. several agents on one box):
     # its memory, its `cores`, and `host_mem_bw_Bps`, the bandwidth all its cores reach together.
     host: str = ""
@@ -57,13 +64,18 @@ class NodeSpec:
 
 @dataclass(frozen=True, slots=True)
 class LinkSpec:
-    """A link between nodes a and b; latency_s is one-way (half the measured RTT)."""
+    """A link between nodes a and b; latency_s is one-way (half the measured RTT).
+
+    overhead_s is the fixed software cost of one collective over it (the backend call and
+    the GPU/CPU stream sync around it), paid once per all-reduce or hop.
+    """
 
     a: str
     b: str
     latency_s: float
     bandwidth_Bps: float
     kind: LinkKind
+    overhead_s: float = 0.0
 
     def __post_init__(self):
         if self.kind not in LINK_KINDS:
@@ -78,11 +90,18 @@ class LinkSpec:
 
     def hop_s(self, nbytes: float) -> float:
         """One point-to-point message."""
-        return self.latency_s + nbytes / self.bandwidth_Bps
+        return self.overhead_s + self.latency_s + nbytes / self.bandwidth_Bps
 
     def all_reduce_s(self, nbytes: float, n: int) -> float:
-        """Ring all-reduce of nbytes over n ranks: 2(n-1) steps, each moving nbytes/n."""
-        return 2 * (n - 1) / n * nbytes / self.bandwidth_Bps + 2 * (n - 1) * self.latency_s
+        """All-reduce of nbytes over n ranks.
+
+        RDMA (MLX jaccl's mesh) sends the whole buffer to every peer at once over its own
+        link: one latency. Ring (TCP): 2(n-1) steps, each moving nbytes/n.
+        """
+        if self.kind == "rdma":
+            return self.overhead_s + self.latency_s + nbytes / self.bandwidth_Bps
+        ring = 2 * (n - 1) / n * nbytes / self.bandwidth_Bps + 2 * (n - 1) * self.latency_s
+        return self.overhead_s + ring
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,11 +129,12 @@ class Share:
 
 @dataclass(frozen=True, slots=True)
 class Breakdown:
-    """Seconds per decode step on the critical path; the three add up to the step time."""
+    """Seconds per decode step on the critical path; the four add up to the step time."""
 
     compute_s: float
     memory_s: float
     collective_s: float
+    dispatch_s: float = 0.0  # per-matmul launch/sync floor (NodeSpec.op_latency_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +179,16 @@ def kv_bytes(spec: ModelSpec, stage: Stage, share: Share, tokens: int, kv_dtype_
     return tokens * per_layer * stage.n_layers * share.kv
 
 
+def kv_read_bytes(spec, stage, share, batch: int, kv_len: float, kv_dtype_bytes: float) -> float:
+    """Bytes one decode step moves over the cache: one pass when MLX's fused kernel takes the
+    head width; else separate K and V passes (MLA's K and V are the same latent) plus scores."""
+    cache = kv_bytes(spec, stage, share, batch * kv_len, kv_dtype_bytes)
+    if spec.attn_fused:
+        return cache
+    scores = SCORE_BYTES * spec.heads * share.q * batch * kv_len * stage.n_layers
+    return 2 * cache + scores
+
+
 def predict(
     spec: ModelSpec,
     stages: list[Stage] | tuple[Stage, ...],
@@ -171,7 +201,7 @@ def predict(
 ) -> Prediction:
     """Predict a layout's speed; decode is measured right after a `prompt_tokens` prompt."""
     batch, hidden = concurrency, spec.hidden
-    compute = memory = collective = 0.0
+    compute = memory = collective = dispatch = 0.0
     n_coll = 0
     prefill = 0.0
     for k, stage in enumerate(stages):
@@ -190,9 +220,10 @@ def predict(
             )
             for s in ranks
         ]
-        mem_s, flop_s = max(times, key=lambda t: max(t))
+        mem_s, flop_s, disp_s = max(times, key=lambda t: max(t[:2]) + t[2])
         memory += mem_s if mem_s >= flop_s else 0.0
         compute += flop_s if flop_s > mem_s else 0.0
+        dispatch += disp_s
         # Prefill: one prompt, compute-bound; attention covers half the square on average.
         prefill += max(
             max(_prefill_time(spec, stage, s, nodes[s.node], first, prompt_tokens)) for s in ranks
@@ -218,13 +249,13 @@ def predict(
             collective += link.hop_s(batch * hidden * act_bytes)
             prefill += link.hop_s(prompt_tokens * hidden * act_bytes)
             n_coll += 1
-    step = compute + memory + collective
+    step = compute + memory + collective + dispatch
     return Prediction(
         decode_tps=1.0 / step,
         batch_tps=batch / step,
         prefill_tps=prompt_tokens / prefill,
         ttft_s=prefill,
-        breakdown=Breakdown(compute, memory, collective),
+        breakdown=Breakdown(compute, memory, collective, dispatch),
         collectives_per_token=n_coll,
     )
 
@@ -257,19 +288,39 @@ def _io_bytes(spec: ModelSpec) -> int:
 
 
 def _flops(spec: ModelSpec, stage: Stage, share: Share, first: bool, kv_len: float) -> float:
-    """FLOPs of one token on this rank: 2 per active parameter, plus QK and AV over kv_len."""
-    params = sum(spec.active_params_per_layer[i] for i in range(*stage.layers))
-    attn = 4 * spec.heads * spec.head_dim * kv_len * stage.n_layers
+    """FLOPs of one token on this rank: 2 per active parameter, plus QK and AV over kv_len.
+
+    Projections TP replicates (kv_proj bytes, at the model's mean bytes per parameter) run
+    whole on every rank, like their bytes.
+    """
+    per_param = spec.total_bytes / spec.params if spec.params else 1.0
+    params = 0.0
+    for i in range(*stage.layers):
+        whole = min(spec.kv_proj_bytes_per_layer[i] / per_param, spec.active_params_per_layer[i])
+        params += (spec.active_params_per_layer[i] - whole) * share.mlp + whole * share.kv
+    width = spec.attn_dim or 2 * spec.head_dim
+    attended = sum(spec.attended(i, kv_len) for i in range(*stage.layers))
+    attn = 2 * spec.heads * width * attended
     head = 2 * spec.vocab * spec.hidden if first else 0
-    return 2 * params * share.mlp + attn * share.q + head
+    return 2 * params + attn * share.q + head
+
+
+def _matmuls(spec: ModelSpec, stage: Stage, first: bool) -> int:
+    """Weight matmuls a decode step runs on a rank of this stage (+1 for the output head)."""
+    per_layer = spec.matmuls_per_layer
+    return sum(per_layer[i] for i in range(*stage.layers)) + first if per_layer else 0
 
 
 def _rank_time(spec, stage, share, node, first, batch, kv_len, kv_dtype_bytes):
-    """(memory seconds, compute seconds) of one decode step on one rank."""
+    """(memory seconds, compute seconds, dispatch seconds) of one decode step on one rank."""
     nbytes = read_bytes(spec, stage, share, first, batch)
-    nbytes += kv_bytes(spec, stage, share, batch * kv_len, kv_dtype_bytes)
+    nbytes += kv_read_bytes(spec, stage, share, batch, kv_len, kv_dtype_bytes)
     flops = batch * _flops(spec, stage, share, first, kv_len)
-    return nbytes / node.mem_bw_Bps, flops / node.flops
+    return (
+        nbytes / node.mem_bw_Bps,
+        flops / node.flops,
+        _matmuls(spec, stage, first) * node.op_latency_s,
+    )
 
 
 def _prefill_time(spec, stage, share, node, first, tokens):

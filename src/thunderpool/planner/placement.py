@@ -117,9 +117,7 @@ def explain(plans: list[Plan]) -> str:
         seen.add(other.kind)
         a, b = best.prediction, other.prediction
         why = []
-        d_mem = (b.breakdown.memory_s + b.breakdown.compute_s) - (
-            a.breakdown.memory_s + a.breakdown.compute_s
-        )
+        d_mem = _work(b) - _work(a)
         d_coll = b.breakdown.collective_s - a.breakdown.collective_s
         if d_mem > 5e-6:
             why.append(f"{d_mem * 1e3:.2f} ms less memory/compute time per token")
@@ -132,6 +130,11 @@ def explain(plans: list[Plan]) -> str:
             f"{a.decode_tps:.1f} tok/s): {', '.join(w for w in why if w)}"
         )
     return "\n".join(lines)
+
+
+def _work(p: Prediction) -> float:
+    """Seconds per token a rank spends on its own work: memory, compute and dispatch."""
+    return p.breakdown.memory_s + p.breakdown.compute_s + p.breakdown.dispatch_s
 
 
 def memory_use(
@@ -293,6 +296,8 @@ def _reason(kind, stages, pred: Prediction, links) -> str:
     who = " | ".join(",".join(s.nodes) for s in stages)
     text = f"{kind} over {who}: {pred.decode_tps:.1f} tok/s decode"
     text += f" ({b.memory_s * 1e3:.2f} ms memory, {b.compute_s * 1e3:.2f} ms compute"
+    if b.dispatch_s:
+        text += f", {b.dispatch_s * 1e3:.2f} ms dispatch"
     if pred.collectives_per_token:
         nodes = tuple(n for s in stages for n in s.nodes)
         kinds = sorted({x.kind for x in _links_of(links, nodes)})

@@ -1,8 +1,8 @@
 """What a model costs to hold and to run, read from config.json and safetensors headers only.
 
 `model_spec(dir)` measures bytes from the safetensors headers (never the tensor data);
-`model_spec_from_config(config)` estimates the same numbers for models too large to download.
-Shapes follow mlx-lm's model definitions (llama/mistral, qwen2, qwen3, qwen3_moe, deepseek_v3).
+`model_spec_from_config(config)` estimates the same numbers for models too large to download;
+the per-architecture shapes live in layers.py.
 """
 
 from __future__ import annotations
@@ -14,14 +14,52 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from thunderpool.errors import ModelError
+from thunderpool.planner.layers import (
+    Part,
+    experts_of,
+    glu,
+    gqa_attention,
+    is_moe,
+    mla_attention,
+    moe,
+    v4_attention,
+    weights_for,
+)
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+SUPPORTED = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "kimi_k2",
+    "deepseek_v4",
+)
+# Head widths MLX's fused decode attention takes (scaled_dot_product_attention.cpp in mlx's
+# Metal backend). MLA decodes over a 576-wide latent, so it runs unfused; deepseek_v4 counts
+# as fused: its runtimes bring their own sparse kernels.
+_FUSED_HEAD_DIMS = (64, 72, 80, 96, 128, 192, 256)
+# Attention/MoE family per model type (the rest: GQA attention, qwen-style experts).
+_FAMILY = {
+    "deepseek_v2": "mla",
+    "deepseek_v3": "mla",
+    "deepseek_v32": "mla",
+    "glm_moe_dsa": "mla",
+    "kimi_k2": "mla",
+    "deepseek_v4": "v4",
+}
 
 # mlx-lm's defaults where a config leaves tie_word_embeddings out.
 _TIED_DEFAULT = {"llama": True, "mistral": True, "qwen2": True}
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# Attention tensors every TP rank holds whole: k/v (when replicated) and MLA's latent projections.
 _KV_PROJ = (".k_proj.", ".v_proj.", ".k_norm.", ".kv_a_proj_with_mqa.", ".kv_a_layernorm.")
+_KV_PROJ += (".q_a_proj.", ".q_a_layernorm.", ".indexer.")
 _MAX_HEADER = 100 * 2**20
 
 
@@ -30,7 +68,8 @@ class ModelSpec:
     """Sizes in bytes as stored (quantized weights at their packed size), per decoder layer.
 
     MLA models (deepseek) cache one latent per token shared by all heads: kv_heads is 1 and
-    every TP rank holds the whole cache.
+    every TP rank holds the whole cache. DeepSeek-V4 attends to a sliding window plus
+    compressed entries (`compress_ratios`), so its attention cost grows slowly with context.
     """
 
     model_type: str
@@ -45,7 +84,7 @@ class ModelSpec:
     experts_per_tok: int
     bytes_per_layer: tuple[int, ...]
     attn_bytes_per_layer: tuple[int, ...]  # all self_attn tensors
-    kv_proj_bytes_per_layer: tuple[int, ...]  # k/v projections, replicated when TP > kv_heads
+    kv_proj_bytes_per_layer: tuple[int, ...]  # attention bytes TP replicates (k/v, MLA latents)
     expert_bytes_per_layer: tuple[int, ...]  # routed experts only; shared experts are dense
     embed_bytes: int
     head_bytes: int  # 0 when the output head is tied to the embedding
@@ -55,6 +94,12 @@ class ModelSpec:
     active_params_per_layer: tuple[int, ...]  # with experts_per_tok routed experts
     params: int
     active_params: int  # per token: the layers' active parameters plus the output head
+    matmuls_per_layer: tuple[int, ...] = ()  # weight matmuls per decode token (dispatch cost)
+    attn_dim: int = 0  # FLOPs / 2 per head per attended cached token (2 x head_dim for GQA)
+    attn_fused: bool = True  # MLX's fused decode kernel takes this head width (64..256)
+    sliding_window: int = 0  # deepseek_v4: tokens every layer attends to uncompressed
+    compress_ratios: tuple[int, ...] = ()  # deepseek_v4: one cached entry per `ratio` tokens
+    index_topk: int = 0  # deepseek_v4: compressed entries a CSA (ratio 4) layer attends to
 
     @property
     def total_bytes(self) -> int:
@@ -86,6 +131,16 @@ class ModelSpec:
             return float(self.bytes_per_layer[layer])
         touched = 1.0 - (1.0 - self.experts_per_tok / self.experts) ** batch
         return self.bytes_per_layer[layer] - experts + experts * touched
+
+    def attended(self, layer: int, kv_len: float) -> float:
+        """Cached tokens (or compressed entries) layer `layer` attends to at `kv_len`."""
+        ratio = self.compress_ratios[layer] if layer < len(self.compress_ratios) else 0
+        if not self.compress_ratios:
+            return kv_len
+        seen = min(kv_len, self.sliding_window) if self.sliding_window else kv_len
+        if ratio == 4 and self.index_topk:
+            return seen + min(kv_len / ratio, self.index_topk)
+        return seen + (kv_len / ratio if ratio else 0)
 
     def kv_bytes_per_token(self, kv_dtype_bytes: float | None = None) -> float:
         """KV-cache bytes per token over all layers, at `kv_dtype_bytes` if given."""
@@ -189,7 +244,9 @@ def model_spec_from_config(
     """Estimate a model's spec from its HF config alone, weights at `dtype_bytes` each.
 
     A `"quantization": {"bits", "group_size"}` entry (MLX format) stores each matmul and
-    embedding weight at bits/8 bytes plus a scale and a bias per group at `dtype_bytes`.
+    embedding weight at bits/8 bytes plus a scale and a bias per group at `dtype_bytes`; an
+    HF `quantization_config` with `quant_method: fp8` stores them at one byte plus a scale
+    per block (and fp4 routed experts where `expert_dtype` says so).
     """
     model_type = config.get("model_type")
     if model_type not in SUPPORTED:
@@ -197,66 +254,62 @@ def model_spec_from_config(
             f"model_type {model_type!r} is not known to the planner (known: "
             f"{', '.join(SUPPORTED)}); describe it with one of these or add it to planner/spec.py"
         )
-    w = _Weights(dtype_bytes, config.get("quantization"))
+    family = _FAMILY.get(model_type, "qwen")
+    w = weights_for(config, dtype_bytes)
     hidden, n_layers = config["hidden_size"], config["num_hidden_layers"]
     heads = config["num_attention_heads"]
     vocab = config["vocab_size"]
-    mla = model_type.startswith("deepseek")
-    if mla:
+    ratios = tuple(config.get("compress_ratios", ())[:n_layers]) if family == "v4" else ()
+    if family == "mla":
         kv_heads, head_dim = 1, config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
         kv_elems = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+        kv_elems += config.get("index_head_dim", 0) if config.get("index_n_heads") else 0
+        # Decode attends in the latent space: q.k over kv_rank + rope, p.v over kv_rank.
+        attn_dim = 2 * config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    elif family == "v4":
+        kv_heads, head_dim = 1, config["head_dim"]
+        kv_elems = _v4_cached_per_token(config, ratios)
+        attn_dim = 2 * head_dim
     else:
         kv_heads = config.get("num_key_value_heads") or heads
         head_dim = config.get("head_dim") or hidden // heads
         kv_elems = 2 * kv_heads * head_dim
-    norms_b, norms_p = 2 * w.vector(hidden), 2 * hidden
+        attn_dim = 2 * head_dim
+    norms = Part(2 * w.vector(hidden), 2 * hidden, 2 * hidden, 0)
 
-    experts, top_k = _experts(config, mla)
     dense_i = config.get("intermediate_size", 0)
-    moe_i = config.get("moe_intermediate_size", 0)
-    shared_i = moe_i * (config.get("n_shared_experts") or 0) if mla else 0
-    per_layer, attn, kv_proj, routed, active_per_layer = [], [], [], [], []
-    params = 0
+    n_experts, top_k = experts_of(config)
+    parts, routed = [], []
     widest = dense_i
     for i in range(n_layers):
         at = f"model.layers.{i}."
-        if mla:
-            attn_b, kv_b, attn_p = _mla_attention(config, w, at + "self_attn.")
+        if family == "mla":
+            attn = mla_attention(config, w, at + "self_attn.")
+        elif family == "v4":
+            attn = v4_attention(config, w, at + "self_attn.", ratios[i] if i < len(ratios) else 0)
         else:
-            attn_b, kv_b, attn_p = _gqa_attention(
-                config, w, at + "self_attn.", heads, kv_heads, head_dim
+            attn = gqa_attention(config, w, at + "self_attn.", heads, kv_heads, head_dim)
+        if n_experts and is_moe(config, i, family):
+            mlp, experts_b = moe(config, w, at, family, i)
+            shared_i = config["moe_intermediate_size"] * (config.get("n_shared_experts") or 0)
+            widest = max(
+                widest, top_k * config["moe_intermediate_size"] + shared_i * (family != "qwen")
             )
-        if experts and _is_moe(config, i, mla):
-            expert_b, expert_p = _glu(w, hidden, moe_i, at + "mlp.switch_mlp.")
-            shared_b, shared_p = (0, 0)
-            if shared_i:
-                shared_b, shared_p = _glu(w, hidden, shared_i, at + "mlp.shared_experts.")
-            if mla:  # a plain weight plus e_score_correction_bias, never quantized
-                router_b = w.vector(experts * hidden) + w.vector(experts)
-                router_p = experts * hidden + experts
-            else:
-                router_b = w.matrix(experts, hidden, at + "mlp.gate")
-                router_p = experts * hidden
-            mlp_b = experts * expert_b + shared_b + router_b
-            mlp_p = experts * expert_p + shared_p + router_p
-            mlp_active_p = top_k * expert_p + shared_p + router_p
-            routed.append(experts * expert_b)
-            widest = max(widest, top_k * moe_i + shared_i)
         else:
-            mlp_b, mlp_p = _glu(w, hidden, dense_i, at + "mlp.", config.get("mlp_bias", False))
-            mlp_active_p = mlp_p
-            routed.append(0)
-        per_layer.append(attn_b + mlp_b + norms_b)
-        attn.append(attn_b)
-        kv_proj.append(kv_b)
-        params += attn_p + mlp_p + norms_p
-        active_per_layer.append(attn_p + mlp_active_p + norms_p)
+            mlp, experts_b = glu(w, hidden, dense_i, at + "mlp.", config.get("mlp_bias", False)), 0
+        parts.append((attn, attn + mlp + norms))
+        routed.append(experts_b)
 
     tied = config.get("tie_word_embeddings", _TIED_DEFAULT.get(model_type, False))
     embed_b = w.matrix(vocab, hidden, "model.embed_tokens")
     head_b = 0 if tied else w.matrix(vocab, hidden, "lm_head")
-    params += vocab * hidden * (1 if tied else 2) + hidden
-    active = sum(active_per_layer) + vocab * hidden + hidden
+    other_b, other_p = w.vector(hidden), hidden
+    m = config.get("hc_mult", 1) if family == "v4" else 1
+    if m > 1:  # the hyper-connection head that folds the m streams back into one
+        other_p += m * m * hidden + m + 1
+        other_b += 4 * (m * m * hidden + m + 1)
+    params = sum(p.params for _, p in parts) + vocab * hidden * (1 if tied else 2) + other_p
+    active = sum(p.active for _, p in parts) + vocab * hidden + other_p
     return ModelSpec(
         model_type=model_type,
         layers=n_layers,
@@ -266,112 +319,32 @@ def model_spec_from_config(
         head_dim=head_dim,
         vocab=vocab,
         intermediate=widest,
-        experts=experts,
+        experts=n_experts,
         experts_per_tok=top_k,
-        bytes_per_layer=tuple(per_layer),
-        attn_bytes_per_layer=tuple(attn),
-        kv_proj_bytes_per_layer=tuple(kv_proj),
+        bytes_per_layer=tuple(p.bytes for _, p in parts),
+        attn_bytes_per_layer=tuple(a.bytes for a, _ in parts),
+        kv_proj_bytes_per_layer=tuple(a.replicated for a, _ in parts),
         expert_bytes_per_layer=tuple(routed),
         embed_bytes=embed_b,
         head_bytes=head_b,
-        norm_bytes=w.vector(hidden),
+        norm_bytes=other_b,
         kv_bytes_per_token_per_layer=kv_elems * kv_dtype_bytes,
         kv_dtype_bytes=kv_dtype_bytes,
-        active_params_per_layer=tuple(active_per_layer),
+        active_params_per_layer=tuple(p.active for _, p in parts),
         params=params,
         active_params=active,
+        matmuls_per_layer=tuple(p.matmuls for _, p in parts),
+        attn_dim=attn_dim,
+        attn_fused=family == "v4" or (family != "mla" and head_dim in _FUSED_HEAD_DIMS),
+        sliding_window=(config.get("sliding_window") or 0) if family == "v4" else 0,
+        compress_ratios=ratios,
+        index_topk=config.get("index_topk", 0) if family == "v4" else 0,
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _Weights:
-    """Stored bytes of weights at a dtype, or MLX-quantized with per-group scales (and biases)."""
-
-    dtype_bytes: float
-    quantization: dict | None
-
-    def matrix(self, out: int, in_: int, path: str = "") -> int:
-        """Bytes of an out x in_ weight; `path` picks mlx-lm's per-module quantization override."""
-        q = self.quantization
-        if q and isinstance(q.get(path), dict):
-            q = {**q, **q[path]}
-        if not q or in_ % q.get("group_size", 64):
-            return round(out * in_ * self.dtype_bytes)
-        groups = out * in_ // q.get("group_size", 64)
-        # affine stores a scale and a bias per group; mxfp4/nvfp4/mxfp8 one 8-bit scale.
-        per_group = 2 * self.dtype_bytes if q.get("mode", "affine") == "affine" else 1
-        return round(out * in_ * q["bits"] / 8 + groups * per_group)
-
-    def vector(self, n: int) -> int:
-        return round(n * self.dtype_bytes)
-
-
-def _gqa_attention(
-    config: dict, w: _Weights, at: str, heads: int, kv_heads: int, head_dim: int
-) -> tuple[int, int, int]:
-    """(bytes, k/v bytes, params) of one standard GQA attention block."""
-    hidden, model_type = config["hidden_size"], config["model_type"]
-    q_out, kv_out = heads * head_dim, kv_heads * head_dim
-    if model_type == "qwen2":
-        qkv_bias, o_bias = True, False
-    elif model_type in ("qwen3", "qwen3_moe"):
-        qkv_bias = o_bias = False
-    else:
-        qkv_bias = o_bias = bool(config.get("attention_bias", False))
-    q = w.matrix(q_out, hidden, at + "q_proj") + (w.vector(q_out) if qkv_bias else 0)
-    kv = w.matrix(kv_out, hidden, at + "k_proj") + w.matrix(kv_out, hidden, at + "v_proj")
-    kv += 2 * w.vector(kv_out) if qkv_bias else 0
-    o = w.matrix(hidden, q_out, at + "o_proj") + (w.vector(hidden) if o_bias else 0)
-    params = 2 * q_out * hidden + 2 * kv_out * hidden
-    params += (q_out + 2 * kv_out) * qkv_bias + hidden * o_bias
-    if model_type in ("qwen3", "qwen3_moe"):
-        # Per-head RMS norms on q and k.
-        q += w.vector(head_dim)
-        kv += w.vector(head_dim)
-        params += 2 * head_dim
-    return q + kv + o, kv, params
-
-
-def _mla_attention(config: dict, w: _Weights, at: str) -> tuple[int, int, int]:
-    """(bytes, latent-projection bytes, params) of one DeepSeek multi-head latent attention."""
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    nope, rope, v_dim = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
-    kv_rank, q_rank = config["kv_lora_rank"], config.get("q_lora_rank")
-    q_out = heads * (nope + rope)
-    if q_rank:
-        q = w.matrix(q_rank, hidden, at + "q_a_proj") + w.vector(q_rank)
-        q += w.matrix(q_out, q_rank, at + "q_b_proj")
-        q_p = q_rank * hidden + q_rank + q_out * q_rank
-    else:
-        q, q_p = w.matrix(q_out, hidden, at + "q_proj"), q_out * hidden
-    kv_a = w.matrix(kv_rank + rope, hidden, at + "kv_a_proj_with_mqa") + w.vector(kv_rank)
-    kv_b = w.matrix(heads * (nope + v_dim), kv_rank, at + "kv_b_proj")
-    o = w.matrix(hidden, heads * v_dim, at + "o_proj")
-    params = q_p + (kv_rank + rope) * hidden + kv_rank
-    params += heads * (nope + v_dim) * kv_rank + hidden * heads * v_dim
-    return q + kv_a + kv_b + o, kv_a, params
-
-
-def _glu(w: _Weights, hidden: int, inter: int, at: str, bias: bool = False) -> tuple[int, int]:
-    """(bytes, params) of a SwiGLU MLP: gate and up (inter x hidden), down (hidden x inter)."""
-    b = w.matrix(inter, hidden, at + "gate_proj") + w.matrix(inter, hidden, at + "up_proj")
-    b += w.matrix(hidden, inter, at + "down_proj")
-    p = 3 * hidden * inter
-    if bias:
-        b += 2 * w.vector(inter) + w.vector(hidden)
-        p += 2 * inter + hidden
-    return b, p
-
-
-def _experts(config: dict, mla: bool) -> tuple[int, int]:
-    """(routed experts per MoE layer, experts per token); (0, 0) for a dense model."""
-    n = config.get("n_routed_experts" if mla else "num_experts") or 0
-    return (n, config.get("num_experts_per_tok", 1)) if n else (0, 0)
-
-
-def _is_moe(config: dict, layer: int, mla: bool) -> bool:
-    if mla:
-        freq = config.get("moe_layer_freq", 1)
-        return layer >= config.get("first_k_dense_replace", 0) and layer % freq == 0
-    step = config.get("decoder_sparse_step", 1)
-    return layer not in config.get("mlp_only_layers", []) and (layer + 1) % step == 0
+def _v4_cached_per_token(config: dict, ratios: tuple[int, ...]) -> float:
+    """Cached elements per token, averaged over layers: one head_dim latent per `ratio` tokens,
+    plus the indexer's keys on CSA layers (the 128-token sliding window is a constant)."""
+    hd, d = config["head_dim"], config.get("index_head_dim", 0)
+    total = sum(hd / r + (d / r if r == 4 else 0) for r in ratios if r)
+    return total / max(len(ratios), 1)
