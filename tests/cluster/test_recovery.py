@@ -183,8 +183,10 @@ def _lose_during_stream(served, lose) -> dict:
     started.result(timeout=60)
     queued = pool.submit(complete, SHORT)
     assert wait_until(lambda: _metric("gateway_requests_waiting") >= 1, timeout=10)
+    lost_at = time.monotonic()
     lose()
     streaming.result(timeout=30)  # the stream ends (error event, connection closed): no hang
+    ended_s = time.monotonic() - lost_at
     # The loss is known once /health stops saying ok; from then on new requests get 503.
     assert wait_until(lambda: not ready(), timeout=10)
     during = httpx.post(
@@ -195,6 +197,8 @@ def _lose_during_stream(served, lose) -> dict:
     text = queued.result(timeout=240)
     pool.shutdown()
     assert wait_until(ready, timeout=60, interval=0.5)
+    print(f"stream ended {ended_s:.2f} s after the loss; serving again after "
+          f"{time.monotonic() - lost_at:.1f} s")  # fmt: skip
     after = cluster_info()["instance"]
     return {
         "events": events,
