@@ -274,6 +274,8 @@ class ClusterInstance:
             )
 
     def events(self) -> Iterator[RankEvent]:
+        """Every rank's events until all exit 0; LaunchError at the first loss, at once (the
+        context manager's exit then stops the ranks, which may take a lost node's timeout)."""
         seen = dict.fromkeys(self.nodes, 0)
         limit = self.timeout if self.timeout is not None else float("inf")
         deadline = time.monotonic() + limit
@@ -290,13 +292,11 @@ class ClusterInstance:
                         timeout=wait + NODE_TIMEOUT_S,
                     )
                 except AgentError as e:
-                    self.kill()
                     raise LaunchError(
                         f"lost node {self._name(node)} (no answer within "
                         f"{NODE_TIMEOUT_S:.0f} s: {e}); stopped every rank"
                     ) from None
                 if not reply.get("known", True):
-                    self.kill()
                     raise LaunchError(
                         f"node {self._name(node)} no longer runs this instance (it restarted, "
                         "or stopped the ranks when polls ceased); stopped every rank"
@@ -308,7 +308,6 @@ class ClusterInstance:
                 for rank, code in reply["exits"].items():
                     exits[int(rank)] = code
                     if code not in (None, 0):
-                        self.kill()
                         cause = reply["errors"].get(rank) or reply["errors"].get(str(rank), "")
                         raise LaunchError(
                             f"rank {rank} on {self._name(node)} exited with "
@@ -320,7 +319,6 @@ class ClusterInstance:
             if progressed:
                 deadline = time.monotonic() + limit
             elif time.monotonic() > deadline:
-                self.kill()
                 raise LaunchError(
                     f"no progress from the ranks for {self.timeout:.0f}s; stopped every rank"
                 )

@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +60,9 @@ class RankManager:
         self.link_token = link_token
         self.lease = lease
         self._closed = threading.Event()
+        # PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, and the agent's
+        # request threads come and go: ranks are forked by one thread that lives as long as we do.
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="spawner")
         threading.Thread(target=self._watch_leases, name="leases", daemon=True).start()
 
     def _watch_leases(self) -> None:
@@ -97,16 +101,8 @@ class RankManager:
             path = tmp / f"{var.lower()}-{spec.rank}.json"
             path.write_text(content)
             env[var] = str(path)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "thunderpool.engine.worker", str(job_file)],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-            preexec_fn=lambda: _child_setup(spec.cpu),
-        )
+        argv = [sys.executable, "-m", "thunderpool.engine.worker", str(job_file)]
+        proc = self._spawner.submit(_spawn, argv, env, spec.cpu).result()
         rank = _Rank(spec.rank, proc)
         inst.ranks[spec.rank] = rank
         threading.Thread(target=self._pump_out, args=(inst, rank), daemon=True).start()
@@ -174,6 +170,19 @@ class RankManager:
         self._closed.set()
         for iid in list(self.instances):
             self.stop(iid)
+
+
+def _spawn(argv: list[str], env: dict[str, str], cpu: int | None) -> subprocess.Popen:
+    return subprocess.Popen(
+        argv,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: _child_setup(cpu),
+    )
 
 
 def _last_error(lines: deque) -> str:

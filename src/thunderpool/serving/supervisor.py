@@ -82,7 +82,7 @@ class Supervisor:
         done: dict[int, float] = {}
         try:
             with instance:
-                for ev in instance.events():
+                for ev in self._events(instance):
                     e = ev.event
                     self.on_event(ev)
                     match e["kind"]:
@@ -117,6 +117,14 @@ class Supervisor:
         self.gateway.lost(self._last_error or "replanning", "recovering")
         self._replan.clear()
         return served
+
+    def _events(self, instance: Instance):
+        try:
+            yield from instance.events()
+        except (LaunchError, OSError) as e:
+            # Tell the clients before the ranks are stopped: stopping waits on a lost node.
+            self.gateway.lost(str(e))
+            raise
 
     def _drain(self) -> None:
         """A requested replan: 503 for new requests, let running ones finish (bounded)."""
