@@ -89,13 +89,15 @@ function renderHealth(res, body) {
     return;
   }
   const status = (body && body.status) || (res.ok ? "ok" : `http ${res.status}`);
-  if (status === "loading") {
+  if (status === "loading" || status === "recovering") {
+    // recovering: a node was lost and a new instance is loading on the nodes left.
     const p = isNum(body.progress) ? Math.max(0, Math.min(1, body.progress)) : 0;
-    state.textContent = `loading ${Math.round(p * 100)}%`;
+    state.textContent = `${status} ${Math.round(p * 100)}%`;
     state.dataset.state = "loading";
     loading.hidden = false;
     byId("loading-bar").style.width = `${p * 100}%`;
-    byId("loading-text").textContent = `loading model… ${Math.round(p * 100)}%`;
+    const what = status === "loading" ? "loading model" : `recovering (${body.detail || ""})`;
+    byId("loading-text").textContent = `${what}… ${Math.round(p * 100)}%`;
   } else {
     state.textContent = status === "ok" ? "ready" : status;
     state.dataset.state = status === "ok" ? "ready" : "down";
