@@ -72,7 +72,9 @@ class FakeEngine:
     def metrics(self) -> dict[str, float]:
         return dict(METRICS)
 
-    def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
+    def generate(
+        self, prompt: list[int], params: SamplingParams, *, replayable: bool = False
+    ) -> AsyncIterator[Delta]:
         self.calls.append((prompt, params))
         if "forever" in self.tokenizer.decode(prompt):
             return Ticker(self)

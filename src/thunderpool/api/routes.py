@@ -11,6 +11,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from typing import TypeVar
 
 from anyio import to_thread
@@ -18,7 +19,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 
-from thunderpool.api import prompts
+from thunderpool.api import openapi, prompts
 from thunderpool.api.errors import RETRY_AFTER_S, APIError, from_validation, install_error_handlers
 from thunderpool.api.errors import not_ready as not_ready_error
 from thunderpool.api.generation import (
@@ -71,6 +72,9 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
     """The API app. `api_key` guards /v1/* and /metrics; /health (and `/`) stay open."""
     app = FastAPI(title="thunderpool", docs_url=None, redoc_url=None)
     guarded = [Depends(api_key_guard(api_key))]
+    doc = partial(openapi.route, guarded=api_key is not None)
+    generating = (400, 404, 503)  # what a completion answers besides 200 (and 401)
+    hello = {"model": engine.info.model, "max_tokens": 16}  # the documented examples' start
     http_counts: Counter[tuple[str, int]] = Counter()
 
     def ready() -> None:
@@ -98,7 +102,7 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
         body: Callable[[Job, Outcome], BaseModel],
     ) -> Response:
         # Streams watch for the disconnect inside EventStream; a collected answer does it here.
-        deltas = engine.generate(job.prompt, job.params)
+        deltas = engine.generate(job.prompt, job.params, replayable=frames is None)
         if frames is not None:
             return EventStream(stream(deltas, job, frames))
         out = await until_disconnect(request.receive, lambda: collect(deltas, job))
@@ -106,7 +110,16 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(body(job, out).model_dump(mode="json"))
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    @app.post(
+        "/v1/chat/completions",
+        dependencies=guarded,
+        **doc(
+            openapi.CHAT,
+            generating,
+            ChatRequest,
+            {**hello, "messages": [{"role": "user", "content": "Hello"}]},
+        ),
+    )
     async def chat_completions(request: Request) -> Response:
         req = await _parse(request, ChatRequest)
         prompts.check_model(req.model, engine.info.model)
@@ -119,7 +132,11 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
         job = new_job("chatcmpl", req, ids, params)
         return await answer(request, job, ChatFrames(job) if req.stream else None, chat_body)
 
-    @app.post("/v1/completions", dependencies=guarded)
+    @app.post(
+        "/v1/completions",
+        dependencies=guarded,
+        **doc(openapi.COMPLETION, generating, CompletionRequest, {**hello, "prompt": "Hello"}),
+    )
     async def completions(request: Request) -> Response:
         req = await _parse(request, CompletionRequest)
         prompts.check_model(req.model, engine.info.model)
@@ -135,20 +152,20 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
     def card() -> ModelCard:
         return ModelCard(id=engine.info.model, created=engine.info.created)
 
-    @app.get("/v1/models", dependencies=guarded)
+    @app.get("/v1/models", dependencies=guarded, **doc({"model": ModelList}))
     async def models() -> dict:
         return ModelList(data=[card()]).model_dump(mode="json")
 
-    @app.get("/v1/models/{model:path}", dependencies=guarded)
+    @app.get("/v1/models/{model:path}", dependencies=guarded, **doc({"model": ModelCard}, (404,)))
     async def model(model: str) -> dict:
         prompts.check_model(model, engine.info.model)
         return card().model_dump(mode="json")
 
-    @app.get("/v1/cluster", dependencies=guarded)
+    @app.get("/v1/cluster", dependencies=guarded, **doc(openapi.CLUSTER))
     async def cluster() -> JSONResponse:
         return JSONResponse(engine.info.cluster)
 
-    @app.get("/health")
+    @app.get("/health", **openapi.HEALTH)
     async def health() -> JSONResponse:
         s = engine.status()
         if s.state == "ready":
@@ -156,11 +173,12 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
         body = {"status": s.state, "progress": round(s.progress, 4), "detail": s.detail}
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    @app.get("/metrics", dependencies=guarded)
+    @app.get("/metrics", dependencies=guarded, response_class=PlainTextResponse, **doc({}))
     async def metrics() -> PlainTextResponse:
         text = render(engine.metrics(), http_counts)
         return PlainTextResponse(text, headers={"Content-Type": CONTENT_TYPE})
 
+    openapi.install(app, api_key is not None)
     install_error_handlers(app)
     # "/" is the dashboard's, mounted by the caller after this returns.
     known = frozenset(r.path for r in app.routes if "{" not in getattr(r, "path", "{")) | {"/"}

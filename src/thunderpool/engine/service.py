@@ -56,4 +56,9 @@ class EngineClient(Protocol):
         and rank{N}_memory_bytes per rank."""
         ...
 
-    def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Delta]: ...
+    def generate(
+        self, prompt: list[int], params: SamplingParams, *, replayable: bool = False
+    ) -> AsyncIterator[Delta]:
+        """`replayable`: the caller shows nothing before the last delta (a non-streamed
+        answer), so after a lost node the engine may run the request again from the start."""
+        ...

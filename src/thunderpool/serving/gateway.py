@@ -14,7 +14,7 @@ import logging
 import socket
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from thunderpool.engine.sampling import SamplingParams
@@ -31,7 +31,9 @@ class _Request:
     prompt: list[int]
     params: SamplingParams
     deliver: Callable[[Delta], None]
+    replayable: bool = False  # the client sees only the finished answer: hold deltas back
     started: bool = False  # a delta reached the client: it cannot be run again
+    held: list[Delta] = field(default_factory=list)
 
 
 class Gateway:
@@ -58,7 +60,9 @@ class Gateway:
             pending = sum(not r.started for r in self._requests.values())
         return dict(self._metrics) | {"gateway_requests_waiting": pending}
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
+    async def generate(
+        self, prompt: list[int], params: SamplingParams, *, replayable: bool = False
+    ) -> AsyncIterator[Delta]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delta] = asyncio.Queue()
         req = _Request(
@@ -66,6 +70,7 @@ class Gateway:
             list(prompt),
             params,
             lambda d: loop.call_soon_threadsafe(queue.put_nowait, d),
+            replayable,
         )
         with self._lock:
             # Admitted just before a loss: it waits for the next instance like the queued ones.
@@ -103,13 +108,14 @@ class Gateway:
         try:
             link.answer(sock, self.token)
             info = link.recv(sock, link.ToGateway)
+            if not isinstance(info, link.Info):
+                raise link.FrameError("the leader closed the engine link (a wrong token?)")
         except (link.FrameError, OSError):
             sock.close()
             raise
         sock.settimeout(None)
-        if isinstance(info, link.Info):
-            cluster = {**self.info.cluster, **info.cluster}
-            self.info = dataclasses.replace(self.info, cluster=cluster)
+        cluster = {**self.info.cluster, **info.cluster}
+        self.info = dataclasses.replace(self.info, cluster=cluster)
         with self._lock:
             self._generation += 1
             self._sock = sock
@@ -133,6 +139,8 @@ class Gateway:
             started = [r for r in self._requests.values() if r.started or state == "failed"]
             for r in started:
                 del self._requests[r.id]
+            for r in self._requests.values():
+                r.held.clear()  # a replayable request starts over on the next instance
         if sock is not None:
             sock.close()
         for r in started:
@@ -166,7 +174,7 @@ class Gateway:
                 if isinstance(msg, link.Metrics):
                     self._metrics = msg.values
                 elif isinstance(msg, link.DeltaMsg):
-                    self._deliver(msg)
+                    self._deliver(msg, generation)
         except (link.FrameError, OSError) as e:
             reason = f"engine link broken: {e}"
         with self._lock:
@@ -176,16 +184,12 @@ class Gateway:
             self.lost(reason)
             self.on_link_lost(reason)
 
-    def _deliver(self, msg: link.DeltaMsg) -> None:
+    def _deliver(self, msg: link.DeltaMsg, generation: int) -> None:
         with self._lock:
             req = self._requests.get(msg.id)
-            if req is None:
-                return  # cancelled, or ended by a loss already
-            req.started = True
-            if msg.finish_reason is not None:
-                del self._requests[msg.id]
-        req.deliver(
-            Delta(
+            if req is None or generation != self._generation:
+                return  # cancelled, ended by a loss, or from an instance already lost
+            delta = Delta(
                 msg.text,
                 msg.finish_reason,
                 msg.prompt_tokens,
@@ -193,7 +197,15 @@ class Gateway:
                 msg.error,
                 tuple(msg.tokens),
             )
-        )
+            if req.replayable and msg.finish_reason is None:
+                req.held.append(delta)
+                return
+            req.started = True
+            if msg.finish_reason is not None:
+                del self._requests[msg.id]
+            deltas, req.held = [*req.held, delta], []
+        for d in deltas:
+            req.deliver(d)
 
 
 def _submit(req: _Request) -> link.Submit:

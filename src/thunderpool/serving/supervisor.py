@@ -17,6 +17,7 @@ from rich.console import Console
 
 from thunderpool.errors import LaunchError, ThunderpoolError
 from thunderpool.serving.gateway import Gateway
+from thunderpool.serving.link import FrameError
 
 RETRY_S = 2.0  # between attempts to plan when the model fits nowhere
 MAX_START_FAILURES = 3  # instances in a row that die before serving: give up
@@ -106,7 +107,7 @@ class Supervisor:
                         break
                 if self._replan.is_set():
                     self._drain()
-        except (LaunchError, OSError) as e:
+        except (LaunchError, OSError, FrameError) as e:
             self._last_error = str(e)
             if first and not served:
                 self.gateway.lost(str(e), "failed")
@@ -121,7 +122,7 @@ class Supervisor:
     def _events(self, instance: Instance):
         try:
             yield from instance.events()
-        except (LaunchError, OSError) as e:
+        except (LaunchError, OSError, FrameError) as e:
             # Tell the clients before the ranks are stopped: stopping waits on a lost node.
             self.gateway.lost(str(e))
             raise
