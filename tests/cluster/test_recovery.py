@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -129,7 +130,7 @@ def served(tmp_path_factory, tiny_chat):
             up = wait_until(lambda: ready() or serve.poll() is not None, timeout=240, interval=0.5)
             assert up and serve.poll() is None, (home / "serve.log").read_text()
             reference = {p: complete(p) for p in (SHORT, "What is two plus two?")}
-            yield bed, home, agents, reference
+            yield bed, home, agents, reference, serve
         finally:
             serve.terminate()
             try:
@@ -160,7 +161,7 @@ def _lose_during_stream(served, lose) -> dict:
 
     Returns what happened: the stream's events, the 503 seen during recovery, the queued text.
     """
-    bed, home, _, reference = served
+    bed, home, _, reference, _ = served
     before = cluster_info()["instance"]
     old = all_workers(bed)
     assert len(old) == len(before["nodes"])
@@ -247,7 +248,7 @@ def test_a_killed_rank_is_replaced_and_queued_requests_run(served):
 
 
 def test_a_killed_agent_is_left_out_of_the_new_plan(served):
-    bed, _, agents, _ = served
+    bed, _, agents, _, _ = served
     victim = _follower(bed)
     LOST.append(victim)
     lost_ip = bed.host(victim).ip
@@ -266,7 +267,7 @@ def test_a_killed_agent_is_left_out_of_the_new_plan(served):
 
 
 def test_a_node_that_comes_back_rejoins_and_a_replan_uses_it(served):
-    bed, home, agents, reference = served
+    bed, home, agents, reference, _ = served
     back = LOST[0]
     seed = next(f"{bed.host(i).ip}:{PORT}" for i in (1, 2, 3) if i != back)
     agents[back] = bed.popen(
@@ -313,3 +314,15 @@ def test_a_cut_cable_is_detected_and_the_cut_off_ranks_stop(served):
         assert not workers(bed, victim)
     finally:
         subprocess.run(["ip", "link", "set", port, "up"], check=True)
+
+
+def test_ctrl_c_on_serve_stops_the_ranks_on_every_node(served):
+    bed, serve = served[0], served[4]
+    assert all_workers(bed)
+    start = time.monotonic()
+    serve.send_signal(signal.SIGINT)
+    serve.wait(timeout=30)
+    print(f"serve stopped {time.monotonic() - start:.1f} s after Ctrl-C")
+    assert not all_workers(bed)  # stopped through every agent before serve exited
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{URL}/health", timeout=2)
