@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import json
+import logging
+import pickle
+import time
 
 import pytest
 from fastapi.testclient import TestClient
 
 from thunderpool import __version__
 from thunderpool.cluster.agent import Agent, create_agent_app
-from thunderpool.cluster.auth import AuthError, Identity, load_identity, sign, verify
+from thunderpool.cluster.auth import (
+    SIG_HEADER,
+    TS_HEADER,
+    AuthError,
+    Identity,
+    load_identity,
+    sign,
+    verify,
+)
 from thunderpool.cluster.messages import Hello, Interface, Left, LinkMeasured, NodeInfo
 from thunderpool.cluster.ranks import RankManager
 from thunderpool.cluster.state import ClusterState, apply
@@ -124,3 +135,48 @@ def test_agent_refuses_malformed_messages(agent_client):
         r = post(client, "/v1/hello", body, "secret")
         assert r.status_code == 400, body
     assert client.get("/v1/state").status_code == 401
+
+
+def test_agent_refuses_stale_unsigned_and_forged_messages_once_each(agent_client, caplog):
+    client, agent = agent_client
+    hello = Hello(node=node("b", "10.0.0.2")).model_dump_json().encode()
+    cases = {
+        "stale control message": sign("secret", hello, ts=time.time() - 1000),
+        "unsigned control message": {},
+        "bad timestamp 'soon'": {TS_HEADER: "soon", SIG_HEADER: "00"},
+        "wrong cluster token": sign("secret", b"{}"),  # a signature of another body
+    }
+    for why, headers in cases.items():
+        caplog.clear()
+        r = client.post("/v1/hello", content=hello, headers=headers)
+        assert r.status_code == 401 and r.json()["detail"].startswith(why), r.text
+        lines = [x.getMessage() for x in caplog.records if x.levelno >= logging.WARNING]
+        assert lines == [f"refused a control message from testclient: {r.json()['detail']}"]
+    assert "b" not in agent.state.nodes
+
+
+UNPICKLED: list[str] = []
+
+
+def _unpickled() -> None:
+    UNPICKLED.append("unpickled")
+
+
+class Canary:
+    """Unpickling this calls `_unpickled`, so a peer that ran pickle.loads would be seen."""
+
+    def __reduce__(self):
+        return _unpickled, ()
+
+
+def test_agent_never_unpickles_a_body(agent_client):
+    client, agent = agent_client
+    UNPICKLED.clear()
+    payload = pickle.dumps(Canary())
+    for path in ("/v1/hello", "/v1/probe", "/v1/start", "/v1/stop"):
+        r = post(client, path, payload, "secret")
+        assert r.status_code == 400 and r.json()["detail"].startswith("invalid message"), path
+        assert post(client, path, payload, None).status_code == 401
+    assert UNPICKLED == [] and list(agent.state.nodes) == ["a"]
+    pickle.loads(payload)  # the canary works: this is what the agent never did
+    assert UNPICKLED == ["unpickled"]

@@ -1,8 +1,9 @@
 """Link probes: round-trip latency and bandwidth between two agents, over a plain TCP port.
 
 Frames are a 4-byte big-endian length, then a 1-byte op and the payload: op E echoes the
-payload back (latency), op S swallows it and answers 8 bytes (bandwidth). Frames over
-MAX_FRAME are refused and the connection is closed; the server keeps serving others.
+payload back (latency), op S swallows it and answers 8 bytes (bandwidth). A frame over
+MAX_FRAME, with an unknown op, or cut short is refused with one log line and its connection
+closed; the server keeps serving others.
 """
 
 from __future__ import annotations
@@ -24,27 +25,31 @@ class _Handler(socketserver.BaseRequestHandler):
         sock: socket.socket = self.request
         sock.settimeout(30)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = self.client_address[0]
         try:
-            while True:
-                head = _recv_exact(sock, 5)
-                if head is None:
+            while head := _recv_upto(sock, 5):  # empty: the peer closed between frames
+                if len(head) < 5:
+                    log.warning(
+                        "probe: refused a truncated header (%d bytes) from %s", len(head), peer
+                    )
                     return
                 n, op = struct.unpack(">IB", head)
                 if n > MAX_FRAME or op not in (ord("E"), ord("S")):
-                    log.warning(
-                        "probe: refused a frame (length %d, op %d) from %s",
-                        n,
-                        op,
-                        self.client_address[0],
-                    )
+                    log.warning("probe: refused a frame (length %d, op %d) from %s", n, op, peer)
                     return
-                payload = _recv_exact(sock, n)
-                if payload is None:
+                payload = _recv_upto(sock, n)
+                if len(payload) < n:
+                    log.warning(
+                        "probe: refused a truncated frame (%d of %d bytes) from %s",
+                        len(payload),
+                        n,
+                        peer,
+                    )
                     return
                 reply = payload if op == ord("E") else struct.pack(">Q", n)
                 sock.sendall(struct.pack(">I", len(reply)) + reply)
-        except OSError:
-            return
+        except OSError as e:
+            log.warning("probe: dropped %s: %s", peer, e)
 
 
 class ProbeServer(socketserver.ThreadingTCPServer):
@@ -59,14 +64,20 @@ class ProbeServer(socketserver.ThreadingTCPServer):
         return self
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+def _recv_upto(sock: socket.socket, n: int) -> bytes:
+    """`n` bytes, or fewer if the peer closed first."""
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(min(n - len(buf), 1 << 20))
         if not chunk:
-            return None
+            break
         buf += chunk
     return bytes(buf)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    data = _recv_upto(sock, n)
+    return data if len(data) == n else None
 
 
 def _frame(op: str, payload: bytes) -> bytes:

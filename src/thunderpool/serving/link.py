@@ -131,7 +131,7 @@ def challenge(sock: socket.socket, token: str) -> None:
     sock.settimeout(AUTH_TIMEOUT_S)
     reply = recv(sock, ToLeader)
     if not isinstance(reply, Auth) or not hmac.compare_digest(reply.mac, mac_of(token, nonce)):
-        raise FrameError("refused: the peer did not answer the challenge with the link token")
+        raise FrameError("the peer did not answer the challenge with the link token")
     sock.settimeout(None)
 
 
