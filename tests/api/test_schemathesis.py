@@ -11,7 +11,7 @@ import schemathesis
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
-from schemathesis.checks import not_a_server_error, positive_data_acceptance, unsupported_method
+from schemathesis.checks import not_a_server_error, positive_data_acceptance
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from thunderpool.api import create_app
@@ -21,10 +21,9 @@ from thunderpool.engine.service import EngineStatus
 KEY = "sk-fuzz-key"
 CALL_TIMEOUT_S = 10.0  # a hang guard, not a timing: FakeEngine answers in microseconds
 AUTH = {"Authorization": f"Bearer {KEY}"}
-# Every default check but two. positive_data_acceptance: a schema cannot say "the served model"
+# Every default check but one. positive_data_acceptance: a schema cannot say "the served model"
 # or "max_tokens within the context", so schema-valid requests are rightly 400/404.
-# unsupported_method: our 405 lacks the Allow header (errors.py drops HTTPException headers).
-EXCLUDED = [positive_data_acceptance, unsupported_method]
+EXCLUDED = [positive_data_acceptance]
 
 
 class FuzzEngine(FakeEngine):

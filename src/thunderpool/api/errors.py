@@ -97,7 +97,9 @@ async def _http(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return APIError(exc.status_code, str(exc.detail), kind, code=code).response()
+    # Keep the handler's headers: a 405 must say which methods are allowed (Allow).
+    headers = dict(exc.headers or {})
+    return APIError(exc.status_code, str(exc.detail), kind, code=code, headers=headers).response()
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -7,6 +7,7 @@ OpenAI-style 400s (not FastAPI's 422) and auth is checked before the body is rea
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 import uuid
 from collections import Counter
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 
 from thunderpool.api import openapi, prompts
+from thunderpool.api.body import API_LIMIT, BodyError, read_body
 from thunderpool.api.errors import RETRY_AFTER_S, APIError, from_validation, install_error_handlers
 from thunderpool.api.errors import not_ready as not_ready_error
 from thunderpool.api.generation import (
@@ -39,6 +41,7 @@ from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.service import EngineClient
 
 R = TypeVar("R", bound=BaseModel)
+log = logging.getLogger("thunderpool.api")
 
 # nginx's "client closed request": counted in /metrics, never seen by the client.
 CLIENT_CLOSED = 499
@@ -63,7 +66,11 @@ def api_key_guard(api_key: str | None) -> Callable[[Request], None]:
 
 async def _parse(request: Request, model: type[R]) -> R:
     try:
-        return model.model_validate_json(await request.body())
+        body = await read_body(request, API_LIMIT, log)
+    except BodyError as e:
+        raise APIError(e.status, e.message) from None
+    try:
+        return model.model_validate_json(body)
     except ValidationError as e:
         raise from_validation(e) from e
 

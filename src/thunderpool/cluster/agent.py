@@ -14,6 +14,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from thunderpool import __version__
+from thunderpool.api.body import AGENT_LIMIT, BodyError, read_body
 from thunderpool.cluster.auth import AuthError, Identity, verify
 from thunderpool.cluster.client import AgentClient, AgentError
 from thunderpool.cluster.messages import (
@@ -102,7 +103,10 @@ def create_agent_app(agent: Agent) -> FastAPI:
     app = FastAPI(title="thunderpool node", docs_url=None, redoc_url=None, openapi_url=None)
 
     async def signed(request: Request) -> bytes:
-        body = await request.body()
+        try:
+            body = await read_body(request, AGENT_LIMIT, log)
+        except BodyError as e:
+            raise HTTPException(e.status, e.message) from None
         try:
             verify(agent.identity.token, body, request.headers)
         except AuthError as e:
