@@ -113,7 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_layout(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    srv.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 and /metrics")
+    srv.add_argument(
+        "--api-key",
+        help="require `Authorization: Bearer KEY` on /v1 and /metrics (default "
+        "$THUNDERPOOL_API_KEY)",
+    )
     srv.add_argument(
         "--insecure", action="store_true", help="allow a non-loopback --host without --api-key"
     )
@@ -130,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     from thunderpool.chat import add_chat_parser
     from thunderpool.cluster.cli import add_cluster_args, add_plan_parser
     from thunderpool.cluster.node import add_node_parser
+    from thunderpool.planner.simulate import add_simulate_parser
 
     add_chat_parser(sub)
     add_node_parser(sub)
@@ -140,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_cluster_args(status)
     add_plan_parser(sub)
+    add_simulate_parser(sub)
     try:
         from thunderpool.cluster.doctor import add_doctor_parser
 
@@ -211,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
                 from thunderpool.cluster.cli import plan_main
 
                 return plan_main(args)
+            case "simulate":
+                from thunderpool.planner.simulate import simulate_main
+
+                return simulate_main(args)
             case "doctor":
                 from thunderpool.cluster.doctor import doctor_main
 
