@@ -30,6 +30,13 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(msg) from None
 
 
+def _modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(","))
+    if not modes or any(m not in ("tp", "pp") for m in modes):
+        raise argparse.ArgumentTypeError(f"'{text}' must be tp, pp or tp,pp")
+    return modes
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -165,15 +172,51 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="decode/prefill tok/s: our engine vs mlx-lm on one "
-        "rank, then TP and PP on --nodes ranks",
+        help="TTFT, prefill and decode tok/s: our engine vs mlx-lm on one "
+        "rank, then TP and PP on --nodes ranks, with each decode step split into compute, "
+        "collectives and waiting; JSON and PNG plots",
     )
     bench.add_argument("--model", help="model (default: the embedded SmolLM2-135M-Instruct)")
-    bench.add_argument("--nodes", type=_positive, default=2)
+    bench.add_argument(
+        "--synthetic",
+        metavar="SHAPE",
+        help="instead of --model, a random-weight float32 llama of this shape, written to the "
+        "cache once: 1b (TinyLlama-1.1B's shape, 4.4 GB)",
+    )
+    bench.add_argument(
+        "--nodes",
+        type=_ints,
+        default=(2,),
+        help="ranks per parallel run; a list scales, e.g. 2,3 (default 2)",
+    )
+    bench.add_argument(
+        "--modes", type=_modes, default=("tp", "pp"), help="parallel modes (default tp,pp)"
+    )
     bench.add_argument("--prompt-tokens", type=_positive, default=128)
     bench.add_argument("--max-tokens", type=_positive, default=64)
     bench.add_argument("--repeats", type=_positive, default=3)
-    bench.add_argument("--json", type=Path, help="write all results as JSON here")
+    bench.add_argument(
+        "--pin",
+        action="store_true",
+        help="fair scaling: every rank and a 1-rank baseline each pinned to one core",
+    )
+    bench.add_argument(
+        "--backend",
+        choices=("ring", "mpi"),
+        default="ring",
+        help="collectives between the local ranks: MLX ring over loopback (default) or MPI "
+        "shared memory under Open MPI's mpirun",
+    )
+    bench.add_argument("--json", type=Path, help="write all results as JSON here (plots beside)")
+    bench.add_argument(
+        "--out", type=Path, help="write bench.json, scaling.png and breakdown.png into this dir"
+    )
+    bench.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds of silence from the ranks before all are stopped (default 600)",
+    )
     bench.add_argument(
         "--concurrency",
         type=_ints,

@@ -8,7 +8,12 @@ import json
 import pytest
 from rich.console import Console
 
-from thunderpool.bench.engine_bench import Run, run_bench, spread, synthetic_prompt, timed
+from thunderpool.bench.breakdown import decode_breakdown
+from thunderpool.bench.energy import open_meter
+from thunderpool.bench.engine_bench import Run, spread, synthetic_prompt, timed
+from thunderpool.bench.report import render_table, write_plots
+from thunderpool.bench.run import run_bench, scaling
+from thunderpool.bench.synthetic import PRESETS, parameter_count, write_synthetic
 
 LAYERS = 4  # num_hidden_layers of the tiny checkpoints in conftest.py
 
@@ -34,6 +39,113 @@ def test_spread_and_prompt_are_deterministic():
     assert len(prompt) == 50 and all(0 <= t < 256 for t in prompt)
 
 
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_breakdown_splits_a_step_exactly():
+    counts = {"model": 60, "control": 1, "total": 61, "by_op": {"all_sum": 61}}
+    tp = decode_breakdown(50.0, "tp", [40.0, 38.0], counts, 0.1, 0.05)
+    assert tp["compute_ms"] == 40.0  # the slowest rank
+    assert tp["collective_ms"] == pytest.approx(60 * 0.1 + 0.05)
+    assert tp["wait_ms"] == pytest.approx(50.0 - 40.0 - 6.05)
+    assert tp["measured_collective_ms"] == 10.0
+    assert tp["latency_bound_ms"] == pytest.approx(6.0)
+    assert tp["collective_ratio"] == pytest.approx(10.0 / 6.0)
+    pp = decode_breakdown(50.0, "pp", [30.0, 25.0], {**counts, "model": 2}, 0.1, 0.05)
+    assert pp["compute_ms"] == 55.0  # stages run one after another
+    assert pp["wait_ms"] == 0.0 and pp["measured_collective_ms"] == 0.0  # clamped
+    assert pp["collective_ratio"] is None  # the latency bound is TP's
+    one = decode_breakdown(20.0, "single", [], {**counts, "model": 0, "control": 0}, 0, 0)
+    assert (one["compute_ms"], one["collective_ms"], one["collective_ratio"]) == (20.0, 0, None)
+
+
+def fake_layout(parallel: str, n: int, decode: float, prefill: float) -> dict:
+    rate = lambda v: {"median": v, "min": v * 0.9, "max": v * 1.1}  # noqa: E731
+    step = 1e3 / decode
+    return {
+        "parallel": parallel,
+        "world_size": n,
+        "ttft_ms": rate(100.0),
+        "prefill_tps": rate(prefill),
+        "decode_tps": rate(decode),
+        "collectives_per_token": 8 if parallel == "tp" else (2 if parallel == "pp" else 0),
+        "control_collectives_per_token": 1 if n > 1 else 0,
+        "breakdown": decode_breakdown(
+            step,
+            parallel,
+            [step * 0.6] * n,
+            {"model": 8, "control": 1, "total": 9, "by_op": {"all_sum": 9}},
+            0.1,
+            0.05,
+        ),
+    }
+
+
+def fake_results(pin: bool) -> dict:
+    single = fake_layout("single", 1, 20.0, 200.0)
+    results = {
+        "model": "/m/SmolLM2",
+        "nodes": [2],
+        "single": {
+            "prompt_tokens": 16,
+            "max_tokens": 8,
+            "repeats": 3,
+            "thunderpool": single,
+            "mlx_lm": fake_layout("single", 1, 19.0, 190.0),
+        },
+        "parallel": {
+            "tp2": fake_layout("tp", 2, 30.0, 350.0),
+            "pp2": fake_layout("pp", 2, 18.0, 190.0),
+            "tp3": {"error": "boom", "parallel": "tp", "world_size": 3},
+        },
+    }
+    if pin:
+        results["pinned"] = fake_layout("single", 1, 15.0, 150.0)
+    return results
+
+
+def test_scaling_series_and_speedups_from_the_baseline():
+    results = fake_results(pin=True)
+    s = scaling(results)
+    assert s["baseline"] == "1 rank pinned to one core"
+    assert [p[:2] for p in s["decode_tps"]["tp"]] == [[1, 15.0], [2, 30.0]]
+    assert [p[:2] for p in s["decode_tps"]["pp"]] == [[1, 15.0], [2, 18.0]]
+    assert s["decode_speedup"] == {"tp2": 2.0, "pp2": pytest.approx(1.2)}
+    assert s["prefill_speedup"] == {
+        "tp2": pytest.approx(350 / 150),
+        "pp2": pytest.approx(190 / 150),
+    }
+    unpinned = scaling(fake_results(pin=False))
+    assert unpinned["baseline"] == "1 rank, all cores"
+    assert unpinned["decode_speedup"] == {"tp2": 1.5, "pp2": 0.9}
+
+
+def test_plots_and_table_from_a_fake_run(tmp_path):
+    results = fake_results(pin=True)
+    results["scaling"] = scaling(results)
+    write_plots(results, tmp_path / "scaling.png", tmp_path / "breakdown.png")
+    for name in ("scaling.png", "breakdown.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG
+    console = Console(file=io.StringIO(), width=100)
+    console.print(render_table(results))
+    printed = console.file.getvalue()
+    for row in ("mlx-lm", "pinned", "TP2", "PP2", "boom", "8+1", "2.00"):
+        assert row in printed
+
+
+def test_synthetic_checkpoint_loads_with_the_expected_parameters(tmp_path):
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    assert 1.0e9 < parameter_count(PRESETS["1b"]) < 1.2e9
+    config = {**PRESETS["1b"], "hidden_size": 64, "intermediate_size": 96, "vocab_size": 128}
+    config |= {"num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
+    out = write_synthetic(config, tmp_path / "syn")
+    model, _ = load_model(out)
+    assert sum(v.size for _, v in tree_flatten(model.parameters())) == parameter_count(config)
+    assert not (tmp_path / "syn.partial").exists()
+
+
 @pytest.mark.slow
 def test_run_bench_on_tiny_llama(tiny_models, tmp_path):
     out = tmp_path / "bench.json"
@@ -45,6 +157,7 @@ def test_run_bench_on_tiny_llama(tiny_models, tmp_path):
         max_tokens=8,
         repeats=2,
         json_out=out,
+        out_dir=tmp_path / "out",
         console=console,
     )
 
@@ -54,11 +167,12 @@ def test_run_bench_on_tiny_llama(tiny_models, tmp_path):
     for engine in ("thunderpool", "mlx_lm"):
         assert single[engine]["generated_tokens"] == 8
 
-    tp, pp = results["parallel"]["tp"], results["parallel"]["pp"]
+    tp, pp = results["parallel"]["tp2"], results["parallel"]["pp2"]
     assert (tp["parallel"], tp["world_size"]) == ("tp", 2)
     assert tp["collectives_per_token"] == 2 * LAYERS
+    assert tp["breakdown"]["collectives_per_step"]["by_op"] == {"all_sum": 2 * LAYERS + 1}
     assert (pp["parallel"], pp["world_size"]) == ("pp", 2)
-    assert pp["collectives_per_token"] == 2
+    assert pp["collectives_per_token"] == 2  # the leader's send and recv
     for r in (tp, pp):
         # fp32 TP and PP decode the same greedy tokens as one rank.
         assert r["tokens"] == single["tokens"]
@@ -67,9 +181,23 @@ def test_run_bench_on_tiny_llama(tiny_models, tmp_path):
         assert r["generated_tokens"] == 8
         assert [rank["rank"] for rank in r["ranks"]] == [0, 1]
         assert all(rank["param_bytes"] > 0 and rank["peak_rss_bytes"] > 0 for rank in r["ranks"])
+        assert set(r["breakdown"]) >= {"step_ms", "compute_ms", "collective_ms", "wait_ms"}
     assert [rank["layers"] for rank in pp["ranks"]] == [[0, 2], [2, 4]]
 
+    assert [p[0] for p in results["scaling"]["decode_tps"]["tp"]] == [1, 2]
+    assert set(results["scaling"]["decode_speedup"]) == {"tp2", "pp2"}
+    meter, reason = open_meter()
+    if meter is None:  # e.g. no RAPL here: the reason is reported instead of a number
+        assert results["energy"] == {"available": False, "reason": reason}
+    else:
+        meter.close()
+        assert results["energy"]["decode_joules_per_token"] > 0
+    for f in ("bench.json", "scaling.png", "breakdown.png"):
+        assert (tmp_path / "out" / f).is_file()
+    for f in ("bench-scaling.png", "bench-breakdown.png"):
+        assert (tmp_path / f).read_bytes()[:8] == PNG
     assert json.loads(out.read_text()) == results
+    assert json.loads((tmp_path / "out" / "bench.json").read_text()) == results
     printed = console.file.getvalue()
-    for row in ("mlx-lm", "thunderpool", "TP2", "PP2", "goal >= 0.95"):
+    for row in ("mlx-lm", "thunderpool", "TP2", "PP2", "goal >= 0.95", "energy"):
         assert row in printed

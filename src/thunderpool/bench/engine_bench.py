@@ -1,13 +1,13 @@
-"""Engine benchmarks: our engine against mlx-lm on one rank, and TP/PP instances on several.
+"""Engine benchmarks: our engine against mlx-lm on one rank, and the leader of an instance.
 
 Every run greedy-decodes the same synthetic prompt (fixed seed) for exactly `max_tokens`
 tokens. TTFT is the time to the first token; decode tok/s is (n - 1) / (last - first token).
 Numbers are medians with min/max over the repeats; the tests check tokens, never timings.
+Energy (energy.py) is read at the same three instants, where the host exposes it.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -17,8 +17,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from thunderpool.bench.breakdown import count_decode_step, decode_breakdown, solo_compute
+from thunderpool.bench.energy import energy_summary, open_meter
 from thunderpool.engine.engine import Leader
-from thunderpool.engine.job import BenchTask, RankJob
+from thunderpool.engine.job import BenchTask
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.errors import ThunderpoolError
 
@@ -35,6 +37,8 @@ class Run:
     prompt_tokens: int
     ttft_s: float
     decode_s: float
+    prefill_j: float = 0.0  # host energy up to the first token (0 without a meter)
+    decode_j: float = 0.0  # host energy from the first to the last token
 
     @property
     def prefill_tps(self) -> float:
@@ -51,8 +55,10 @@ def synthetic_prompt(n: int, vocab_size: int, seed: int = PROMPT_SEED) -> list[i
     return np.random.default_rng(seed).integers(0, vocab_size, size=n).tolist()
 
 
-def timed(steps: Iterator[int], prompt_tokens: int) -> Run:
+def timed(steps: Iterator[int], prompt_tokens: int, meter=None) -> Run:
     """Drain a token generator, timing the first and the last token from before its first step."""
+    snap = meter.snapshot() if meter else None
+    prefill_j = 0.0
     start = time.perf_counter()
     tokens: list[int] = []
     first = last = start
@@ -60,8 +66,12 @@ def timed(steps: Iterator[int], prompt_tokens: int) -> Run:
         last = time.perf_counter()
         if not tokens:
             first = last
+            if meter:
+                prefill_j = meter.joules_since(snap)
+                snap = meter.snapshot()
         tokens.append(token)
-    return Run(tokens, prompt_tokens, first - start, last - first)
+    decode_j = meter.joules_since(snap) if meter else 0.0
+    return Run(tokens, prompt_tokens, first - start, last - first, prefill_j, decode_j)
 
 
 def spread(values: Iterable[float]) -> dict[str, float]:
@@ -101,22 +111,35 @@ def _ours(leader: Leader, prompt: list[int], max_tokens: int) -> Iterator[int]:
 
 
 def bench_leader(leader: Leader, task: BenchTask, group: mx.distributed.Group, emit) -> None:
-    """Time `task.repeats` generations, probe the all_sum latency, emit one "bench" event."""
+    """Time `task.repeats` generations, split a decode step, emit one "bench" event."""
     model, size = leader.runner.model, group.size()
     vocab, hidden = model_dims(model)
     prompt = synthetic_prompt(task.prompt_tokens, vocab)
     timed(_ours(leader, prompt, min(WARMUP_TOKENS, task.max_tokens)), len(prompt))
-    runs = [timed(_ours(leader, prompt, task.max_tokens), len(prompt)) for _ in range(task.repeats)]
+    # Counted first: it stops a generation early, and the timed runs then prove that every
+    # rank is still in step (same tokens on every run).
+    counts = count_decode_step(leader, prompt)
+    meter, reason = open_meter()
+    try:
+        runs = [
+            timed(_ours(leader, prompt, task.max_tokens), len(prompt), meter)
+            for _ in range(task.repeats)
+        ]
+    finally:
+        if meter is not None:
+            meter.close()
+    parallel = "single" if size == 1 else ("pp" if leader.runner.stage is not None else "tp")
     result = {
         "world_size": size,
-        "parallel": "single" if size == 1 else ("pp" if leader.runner.stage is not None else "tp"),
+        "parallel": parallel,
         "prompt_tokens": task.prompt_tokens,
         "max_tokens": task.max_tokens,
         "repeats": task.repeats,
         **summarize(runs),
         "tokens": runs[0].tokens,
         "identical_runs": all(r.tokens == runs[0].tokens for r in runs),
-        **collective_cost(leader, size, hidden, runs),
+        "energy": energy_summary(meter, reason, runs),
+        **step_breakdown(leader, parallel, prompt, task.max_tokens - 1, hidden, runs, counts),
     }
     if task.concurrency:
         from thunderpool.bench.batching import bench_concurrency
@@ -127,27 +150,34 @@ def bench_leader(leader: Leader, task: BenchTask, group: mx.distributed.Group, e
     emit("bench", **result)
 
 
-def collective_cost(leader: Leader, size: int, hidden: int, runs: list[Run]) -> dict:
-    """Collectives per decoded token and their estimated share of a decode step.
-
-    TP all_sums twice per layer (attention and MLP outputs); PP sends once per stage boundary,
-    the return to rank 0 included. Multi-rank decode adds one control all_sum per step.
-    """
-    if size == 1:
-        model_ops, control_ops, latency = 0, 0, 0.0
-    else:
-        latency = leader.probe((1, 1, hidden), PROBE_REPEATS)
-        model_ops = size if leader.runner.stage is not None else 2 * len(leader.runner.model.layers)
-        control_ops = 1
-    step_s = 1.0 / statistics.median(r.decode_tps for r in runs)
-    est_s = (model_ops + control_ops) * latency
+def step_breakdown(
+    leader: Leader,
+    parallel: str,
+    prompt: list[int],
+    steps: int,
+    hidden: int,
+    runs: list[Run],
+    counts: dict,
+) -> dict:
+    """Counted collectives per decode step, per-rank compute alone, all_sum latencies, and
+    the split of a step into compute, collectives and waiting (breakdown.py)."""
+    step_ms = 1e3 / statistics.median(r.decode_tps for r in runs)
+    by_rank, hidden_ms, control_ms = [], 0.0, 0.0
+    if leader.control.size > 1:
+        leader.control.send({"op": "solo", "t": prompt, "n": steps})
+        by_rank = solo_compute(leader.runner, leader.control.group, prompt, steps)
+        hidden_ms = leader.probe((1, 1, hidden), PROBE_REPEATS) * 1e3
+        control_ms = leader.probe((1,), PROBE_REPEATS) * 1e3
+    split = decode_breakdown(step_ms, parallel, by_rank, counts, hidden_ms, control_ms)
     return {
-        "all_sum_latency_ms": latency * 1e3,
-        "collectives_per_token": model_ops,
-        "control_collectives_per_token": control_ops,
-        "est_collective_ms_per_token": est_s * 1e3,
-        "decode_step_ms": step_s * 1e3,
-        "collective_share": est_s / step_s,
+        "breakdown": split,
+        # The table's columns (and the planner-accuracy bench) read these.
+        "all_sum_latency_ms": hidden_ms,
+        "collectives_per_token": counts["model"],
+        "control_collectives_per_token": counts["control"],
+        "est_collective_ms_per_token": split["collective_ms"],
+        "decode_step_ms": step_ms,
+        "collective_share": split["collective_ms"] / step_ms,
     }
 
 
@@ -181,10 +211,20 @@ def bench_single(model_dir: Path, prompt_tokens: int, max_tokens: int, repeats: 
     for run in engines.values():
         timed(run(min(WARMUP_TOKENS, max_tokens)), prompt_tokens)
     runs: dict[str, list[Run]] = {name: [] for name in engines}
-    for _ in range(repeats):
-        for name, run in engines.items():
-            runs[name].append(timed(run(max_tokens), prompt_tokens))
+    meter, reason = open_meter()
+    try:
+        for _ in range(repeats):
+            for name, run in engines.items():
+                runs[name].append(timed(run(max_tokens), prompt_tokens, meter))
+    finally:
+        if meter is not None:
+            meter.close()
     ours, mlx_lm = summarize(runs["thunderpool"]), summarize(runs["mlx_lm"])
+    for name, summary in (("thunderpool", ours), ("mlx_lm", mlx_lm)):
+        summary["energy"] = energy_summary(meter, reason, runs[name])
+    step_ms = 1e3 / ours["decode_tps"]["median"] if ours["decode_tps"]["median"] else 0.0
+    counts = {"model": 0, "control": 0, "total": 0, "by_op": {}}
+    ours["breakdown"] = decode_breakdown(step_ms, "single", [], counts, 0.0, 0.0)
     reference = runs["mlx_lm"][0].tokens
     return {
         "model": str(model_dir),
@@ -206,196 +246,3 @@ def _greedy(logprobs: mx.array) -> mx.array:
 
 def _ratio(a: dict, b: dict) -> float:
     return a["median"] / b["median"] if b["median"] else 0.0
-
-
-# --- several ranks: a real instance of rank processes ---------------------------------------
-
-
-def bench_parallel(
-    model_dir: Path,
-    nodes: int,
-    parallel: str,
-    prompt_tokens: int,
-    max_tokens: int,
-    repeats: int,
-    timeout: float = 600.0,
-    pin: bool | None = None,
-    concurrency: tuple[int, ...] = (),
-) -> dict:
-    """Run a BenchTask on `nodes` local ranks; the leader's results plus per-rank memory.
-
-    `pin` pins each rank to one core (the launcher's default when there are enough cores).
-    """
-    from thunderpool.cluster.launch import LocalInstance
-
-    task = BenchTask(
-        prompt_tokens=prompt_tokens,
-        max_tokens=max_tokens,
-        repeats=repeats,
-        concurrency=concurrency,
-    )
-    job = RankJob(model_dir=str(model_dir), world_size=nodes, parallel=parallel, task=task)
-    bench: dict | None = None
-    ranks: dict[int, dict] = {r: {"rank": r} for r in range(nodes)}
-    with LocalInstance(job, timeout=timeout, pin=pin) as instance:
-        for ev in instance.events():
-            fields = {k: v for k, v in ev.event.items() if k != "kind"}
-            match ev.event.get("kind"):
-                case "bench":
-                    bench = fields
-                case "loaded":
-                    ranks[ev.rank].update(
-                        param_bytes=fields["param_bytes"],
-                        load_s=fields["seconds"],
-                        layers=fields["layers"],
-                    )
-                case "rank_done":
-                    ranks[ev.rank].update(
-                        peak_rss_bytes=fields["peak_rss_bytes"],
-                        peak_mlx_bytes=fields.get("peak_mlx_bytes"),
-                    )
-    if bench is None:
-        raise ThunderpoolError(f"the {parallel} instance of {nodes} ranks sent no bench result")
-    return {**bench, "ranks": [ranks[r] for r in range(nodes)]}
-
-
-# --- the `thunderpool bench` command ---------------------------------------------------------
-
-
-def run_bench(
-    model_dir: Path,
-    nodes: int = 2,
-    prompt_tokens: int = 128,
-    max_tokens: int = 64,
-    repeats: int = 3,
-    modes: tuple[str, ...] = ("tp", "pp"),
-    json_out: Path | None = None,
-    console=None,
-    concurrency: tuple[int, ...] = (),
-) -> dict:
-    """One rank against mlx-lm, then each parallel mode at `nodes` ranks; prints a table."""
-    from rich.console import Console
-
-    console = console or Console()
-    with console.status("one rank: thunderpool vs mlx-lm"):
-        single = bench_single(model_dir, prompt_tokens, max_tokens, repeats)
-    parallel: dict[str, dict] = {}
-    for mode in modes:
-        with console.status(f"{mode.upper()}{nodes}: {nodes} ranks"):
-            try:
-                parallel[mode] = bench_parallel(
-                    model_dir, nodes, mode, prompt_tokens, max_tokens, repeats
-                )
-            except ThunderpoolError as e:
-                # One layout that cannot run (e.g. more ranks than layers) should not hide the rest.
-                parallel[mode] = {"error": str(e)}
-    results = {"model": str(model_dir), "nodes": nodes, "single": single, "parallel": parallel}
-    console.print(render_table(results))
-    if concurrency:
-        results["batching"] = bench_batching(
-            model_dir, nodes, modes, prompt_tokens, max_tokens, concurrency, console
-        )
-    console.print(
-        f"engine/mlx-lm decode ratio: {single['decode_ratio']:.2f} (goal >= 0.95), "
-        f"prefill ratio: {single['prefill_ratio']:.2f}, "
-        f"identical tokens: {'yes' if single['identical_tokens'] else 'NO'}"
-    )
-    if json_out is not None:
-        Path(json_out).write_text(json.dumps(results, indent=2))
-    return results
-
-
-def render_table(results: dict):
-    """Medians with the min-max spread dimmed underneath, so that it fits 80 columns."""
-    from rich import box
-    from rich.table import Table
-
-    single, nodes = results["single"], results["nodes"]
-    table = Table(
-        title=f"{Path(results['model']).name}: {single['prompt_tokens']}-token prompt, "
-        f"{single['max_tokens']} new tokens, median (min-max) of {single['repeats']}",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-    )
-    table.add_column("engine", min_width=11)
-    # coll/tok: model collectives + control all_sums per token; coll ms/tok: estimated cost.
-    for col in (
-        "TTFT\nms",
-        "prefill\ntok/s",
-        "decode\ntok/s",
-        "decode vs\n1 rank",
-        "coll/\ntoken",
-        "coll\nms/tok",
-    ):
-        table.add_column(col, justify="right", no_wrap=True)
-    base = single["thunderpool"]["decode_tps"]["median"]
-    rows = [("mlx-lm\n1 rank", single["mlx_lm"]), ("thunderpool\n1 rank", single["thunderpool"])]
-    rows += [(f"{m.upper()}{nodes}\n{nodes} ranks", r) for m, r in results["parallel"].items()]
-    for name, r in rows:
-        if "error" in r:
-            table.add_row(name, f"[red]{r['error']}[/red]", *[""] * 5)
-            continue
-        coll, est = "-", "-"
-        if r.get("collectives_per_token"):
-            coll = f"{r['collectives_per_token']}+{r['control_collectives_per_token']}"
-            ms, share = r["est_collective_ms_per_token"], r["collective_share"]
-            est = f"{ms:.2f}\n[dim]({share:.0%})[/dim]"
-        ratio = r["decode_tps"]["median"] / base if base else 0.0
-        table.add_row(
-            name,
-            _cell(r["ttft_ms"]),
-            _cell(r["prefill_tps"]),
-            _cell(r["decode_tps"]),
-            f"{ratio:.2f}",
-            coll,
-            est,
-        )
-    return table
-
-
-def _cell(s: dict) -> str:
-    return f"{_num(s['median'])}\n[dim]{_num(s['min'])}-{_num(s['max'])}[/dim]"
-
-
-def _num(v: float) -> str:
-    return f"{v:.0f}" if v >= 100 else f"{v:.1f}"
-
-
-def bench_batching(
-    model_dir: Path,
-    nodes: int,
-    modes: tuple[str, ...],
-    prompt_tokens: int,
-    max_tokens: int,
-    concurrency: tuple[int, ...],
-    console,
-) -> dict:
-    """Continuous batching: aggregate decode tok/s at each concurrency, per layout."""
-    from rich.table import Table
-
-    layouts = [("single", 1)] + [(m, nodes) for m in modes]
-    out: dict[str, list] = {}
-    for mode, n in layouts:
-        with console.status(f"batching: {mode} at {concurrency}"):
-            res = bench_parallel(
-                model_dir,
-                n,
-                "tp" if mode == "single" else mode,
-                prompt_tokens,
-                max_tokens,
-                1,
-                concurrency=concurrency,
-            )
-        out[mode] = res.get("batching", [])
-    table = Table(
-        "layout",
-        *[f"{c} streams" for c in concurrency],
-        title="continuous batching: decode tok/s, all streams together (aggregate)",
-    )
-    for mode, rows in out.items():
-        table.add_row(
-            mode.upper() if mode != "single" else "1 rank",
-            *[f"{r['decode_tps']:.1f} ({r['aggregate_tps']:.1f})" for r in rows],
-        )
-    console.print(table)
-    return out

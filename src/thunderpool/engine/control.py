@@ -1,8 +1,12 @@
 """The leader's per-step command, broadcast to followers as JSON bytes over an all_sum.
 
 Followers contribute zeros, so the sum is the leader's bytes. A fixed header of HEADER bytes
-carries short commands (every decode step) in one collective; a longer command (a prefill
-chunk) takes a second collective of its exact padded length. No pickle ever crosses the wire.
+carries short commands in one collective; a longer command (a prefill chunk) takes a second
+collective of its exact padded length. No pickle ever crosses the wire.
+
+A decode step needs no JSON: `step_token` sums one int32 inside the lazy graph (the leader's
+token id + 1, or 0 for stop), so no rank waits in Python for it and the next step's graph can
+be built while the current one computes.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ import numpy as np
 
 HEADER = 512
 _LEN = 4  # little-endian uint32 payload length at the start of the header
+STOP = -1  # the leader's step_token that ends a decode loop early (sums to 0)
 
 
 class Control:
     def __init__(self, group: mx.distributed.Group):
         self.group = group
         self.size, self.rank = group.size(), group.rank()
+        self.collectives = 0  # issued so far: the benchmark counts them per decode step
 
     def send(self, command: dict) -> None:
         """Leader: broadcast `command` (no-op on a single rank)."""
@@ -29,6 +35,16 @@ class Control:
     def receive(self) -> dict:
         """Follower: block until the leader's next command arrives."""
         return json.loads(self._exchange(None))
+
+    def step_token(self, token: mx.array | None) -> mx.array:
+        """One decode step's command, lazily: the leader passes its sampled token (1,) or
+        mx.array([STOP]); followers pass None. Returns (1,) int32: token id + 1, or 0 = stop."""
+        if token is None:
+            mine = mx.zeros((1,), mx.int32)
+        else:
+            mine = token.astype(mx.int32).reshape(1) + 1
+        self.collectives += 1
+        return mx.distributed.all_sum(mine, group=self.group)
 
     def _exchange(self, payload: bytes | None) -> bytes:
         header = np.zeros(HEADER, dtype=np.uint8)
@@ -48,5 +64,6 @@ class Control:
         return body
 
     def _sum(self, data: np.ndarray) -> np.ndarray:
+        self.collectives += 1
         out = mx.distributed.all_sum(mx.array(data), group=self.group, stream=mx.cpu)
         return np.array(out)

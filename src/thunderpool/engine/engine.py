@@ -3,6 +3,12 @@
 Invariant: every rank issues the same collectives in the same order. Each step the leader
 broadcasts one command (control.py), then every rank runs the same forward. A rank that skips
 one hangs the cluster, so a rank that fails exits non-zero and the launcher kills the instance.
+
+Decoding one sequence is pipelined on every rank: after the JSON command of the last prefill
+chunk (which says how many decode steps follow), step k is the token exchange C_k (one int32
+all_sum inside the graph) and the forward F_k built on it, so each rank builds step k+1 while
+step k computes. Followers issue F_k before they know whether C_k said stop, so a leader that
+stops early sends stop and runs one dummy forward too.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from thunderpool.engine.batch import BatchState
-from thunderpool.engine.control import Control
+from thunderpool.engine.control import STOP, Control
 from thunderpool.engine.runner import Runner
 from thunderpool.engine.sampling import Sampler, SamplingParams
 from thunderpool.engine.sequence import TextStream
@@ -72,41 +78,53 @@ class Leader:
         start = time.perf_counter()
         self.control.send({"op": "new"})
         cache = self.runner.make_cache()
+        steps = params.max_tokens - 1  # forwards after the prefill
         for i in range(0, len(prompt), self.prefill_chunk):
             chunk = prompt[i : i + self.prefill_chunk]
-            logits = self._forward(chunk, cache)
-            if i + self.prefill_chunk < len(prompt):
+            last = i + self.prefill_chunk >= len(prompt)
+            # The last chunk's command also starts the followers' decode loop: no JSON after
+            # it, as another stream (Metal's) may still be running its collectives.
+            logits = self._forward(chunk, cache, steps if last else 0)
+            if not last:
                 mx.eval(logits)
                 mx.clear_cache()
-        # One rank has no followers to tell, so it can build step k+1 while step k computes.
-        pipelined = self.control.size == 1
         y = sample(logits)
         mx.async_eval(y)
-        decode_start = start
-        for n in range(1, params.max_tokens + 1):
-            nxt = None
-            if pipelined and n < params.max_tokens:
-                nxt_logits = self.runner.forward(y[:, None], cache)
-                nxt = sample(nxt_logits)
-                mx.async_eval(nxt)
-            token = y.item()
-            now = time.perf_counter()
-            if n == 1:
-                stats.ttft_s = now - start
-                decode_start = now
-            stats.generated_tokens = n
-            stats.decode_s = now - decode_start
-            yield Step(token, logits if keep_logits else None)
-            if n == params.max_tokens:
-                break
-            if pipelined:
+        issued, decode_start, nxt = 0, start, None
+        try:
+            for n in range(1, params.max_tokens + 1):
+                if issued < steps:
+                    # Build step n+1 on the lazy token before waiting for it (as mlx-lm does).
+                    nxt_logits = self._decode_step(y, cache)
+                    nxt = sample(nxt_logits)
+                    mx.async_eval(nxt)
+                    issued += 1
+                token = y.item()
+                now = time.perf_counter()
+                if n == 1:
+                    stats.ttft_s = now - start
+                    decode_start = now
+                stats.generated_tokens = n
+                stats.decode_s = now - decode_start
+                yield Step(token, logits if keep_logits else None)
+                if n == params.max_tokens:
+                    break
                 y, logits = nxt, nxt_logits
-            else:
-                logits = self._forward([token], cache)
-                y = sample(logits)
+        finally:
+            if issued < steps and self.control.size > 1:
+                # Followers already run the step after the last one issued: match it.
+                pending = [] if nxt is None else [nxt]
+                mx.eval(*pending, self._decode_step(mx.array([STOP]), cache))
 
-    def _forward(self, tokens: list[int], cache: list) -> mx.array:
-        self.control.send({"op": "fwd", "t": tokens})
+    def _decode_step(self, y: mx.array, cache: list) -> mx.array:
+        """One decode forward on the token y (1,); on several ranks, through the exchange."""
+        if self.control.size == 1:
+            return self.runner.forward(y[:, None], cache)
+        return self.runner.forward(_token_ids(self.control.step_token(y)), cache)
+
+    def _forward(self, tokens: list[int], cache: list, decode: int = 0) -> mx.array:
+        """A prefill chunk; `decode` > 0 tells followers that this many decode steps follow."""
+        self.control.send({"op": "fwd", "t": tokens, **({"dec": decode} if decode else {})})
         return self.runner.forward(mx.array([tokens]), cache)
 
     def generate_text(self, prompt: list[int], params: SamplingParams, tokenizer) -> Iterator[str]:
@@ -150,6 +168,27 @@ def all_sum_latency(group: mx.distributed.Group, shape: tuple[int, ...], repeats
     return sorted(times)[len(times) // 2]
 
 
+def _token_ids(exchanged: mx.array) -> mx.array:
+    """The exchanged (1,) int32 as the next input ids (1, 1); stop (0) feeds token 0."""
+    return mx.maximum(exchanged - 1, 0)[:, None]
+
+
+def follow_decode(runner: Runner, control: Control, cache: list, steps: int) -> None:
+    """Up to `steps` pipelined decode steps; the leader's exchange says token or stop."""
+    out = None
+    for _ in range(steps):
+        exchanged = control.step_token(None)
+        if runner.stage is not None:
+            # PP: the exchange must complete before this stage's recv, as on the leader.
+            mx.eval(exchanged)
+        out = runner.forward(_token_ids(exchanged), cache)
+        mx.async_eval(exchanged, *([out] if out is not None else []))
+        if exchanged.item() == 0:
+            break  # stop: `out` was the leader's dummy step
+    if out is not None:
+        mx.eval(out)
+
+
 def follow(runner: Runner, control: Control) -> None:
     """Follower loop: execute the leader's commands until it says stop."""
     cache, batch = None, BatchState(runner)
@@ -163,6 +202,14 @@ def follow(runner: Runner, control: Control) -> None:
                 cache = runner.make_cache()
             case "fwd":
                 out = runner.forward(mx.array([command["t"]]), cache)
+                if command.get("dec"):
+                    mx.eval(out)
+                    follow_decode(runner, control, cache, command["dec"])
+                    out = None
+            case "solo":
+                from thunderpool.bench.breakdown import solo_compute
+
+                solo_compute(runner, control.group, command["t"], command["n"])
             case "pre":
                 out = batch.prefill(command["sid"], command["t"])
             case "step":

@@ -1,0 +1,128 @@
+"""Random-weight llama checkpoints of a realistic shape, for benchmarks where no real one can
+be downloaded. Decode speed depends on the shapes and the dtype, never on the values.
+
+"1b" is TinyLlama-1.1B's shape in float32 (4.4 GB): 22 layers, hidden 2048, 32 query and
+4 KV heads, MLP 5632, vocab 32000, untied head. It splits evenly for TP2/TP4 and PP2, and
+its vocabulary is small enough that the replicated output head does not dominate TP.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from thunderpool.errors import ThunderpoolError
+
+SHARD_BYTES = 1 << 30  # one safetensors file per ~1 GiB bounds the memory used to write them
+
+PRESETS: dict[str, dict] = {
+    "1b": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    },
+}
+
+
+def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor names and shapes of a llama checkpoint with this config."""
+    D, F, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or D // n_heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (D,),
+            p + "self_attn.q_proj.weight": (n_heads * head_dim, D),
+            p + "self_attn.k_proj.weight": (n_kv * head_dim, D),
+            p + "self_attn.v_proj.weight": (n_kv * head_dim, D),
+            p + "self_attn.o_proj.weight": (D, n_heads * head_dim),
+            p + "post_attention_layernorm.weight": (D,),
+            p + "mlp.gate_proj.weight": (F, D),
+            p + "mlp.up_proj.weight": (F, D),
+            p + "mlp.down_proj.weight": (D, F),
+        }
+    shapes["model.norm.weight"] = (D,)
+    if not config.get("tie_word_embeddings", True):
+        shapes["lm_head.weight"] = (V, D)
+    return shapes
+
+
+def parameter_count(config: dict) -> int:
+    return sum(int(np.prod(s)) for s in tensor_shapes(config).values())
+
+
+def write_synthetic(config: dict, out: Path, seed: int = 0) -> Path:
+    """Write a random float32 checkpoint (norms 1, matrices N(0, 0.02)) into `out`.
+
+    Written to a sibling temp dir and renamed, so a half-written model is never used.
+    """
+    from safetensors.numpy import save_file
+
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    index: dict[str, str] = {}
+    for part, names in enumerate(_shards(tensor_shapes(config)), start=1):
+        file = f"model-{part:05d}.safetensors"
+        tensors = {}
+        for name, shape in names:
+            if len(shape) == 1:
+                tensors[name] = np.ones(shape, np.float32)
+            else:
+                tensors[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+            index[name] = file
+        save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+    total = parameter_count(config) * 4
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1)
+    )
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def _shards(shapes: dict[str, tuple[int, ...]]) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Consecutive tensors grouped into files of about SHARD_BYTES."""
+    shards, size = [[]], 0
+    for name, shape in shapes.items():
+        if size >= SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += int(np.prod(shape)) * 4
+    return shards
+
+
+def synthetic_model(name: str, cache_dir: Path | None = None, console=None) -> Path:
+    """The cached random checkpoint `name` (see PRESETS), written on first use."""
+    from thunderpool.models.source import default_cache_dir
+
+    if name not in PRESETS:
+        raise ThunderpoolError(
+            f"--synthetic {name!r} is not a known shape; use one of {', '.join(PRESETS)}"
+        )
+    config = PRESETS[name]
+    out = (cache_dir or default_cache_dir()) / "models" / f"synthetic-llama-{name}-f32"
+    if (out / "config.json").is_file():
+        return out
+    if console is not None:
+        gb = parameter_count(config) * 4 / 1e9
+        console.print(f"[dim]writing a random {name} llama checkpoint ({gb:.1f} GB) to {out}[/]")
+    return write_synthetic(config, out)

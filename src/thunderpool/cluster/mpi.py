@@ -1,0 +1,295 @@
+"""Co-located ranks under Open MPI's `mpirun` and MLX's `mpi` backend (one host only).
+
+On one host MPI's shared-memory transport all-reduces a hidden-size row in ~15 us where MLX
+`ring` over loopback takes ~60 us (docs/benchmarks.md), which is most of TP's collective time.
+Same interface as LocalInstance: start / events / kill, a context manager, a silence timeout.
+Each rank writes its stdout and stderr to its own files, which we tail: mpirun's own output
+forwarding (--tag-output) merges lines of different ranks. MLX dlopens `libmpi.so`, which
+Debian only ships as libmpi.so.40, so MLX_MPI_LIBNAME names the real file. mpirun puts each
+rank in its own process group of its session, so kill() ends the whole session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+from thunderpool.cluster.blas import fast_blas_env
+from thunderpool.cluster.launch import RankEvent, one_core_env
+from thunderpool.engine.job import RankJob
+from thunderpool.engine.worker import EVENT_PREFIX
+from thunderpool.errors import LaunchError
+
+# Run by mpirun for each rank: die with mpirun (it would leave ranks spinning in a collective
+# if it were SIGKILLed), write output to files named by the rank, then become the worker.
+_RANK_BOOT = """
+import ctypes, os, signal, sys
+mpirun = os.getppid()
+ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG, kept across exec
+if os.getppid() != mpirun:
+    sys.exit(1)  # mpirun died before the line above
+job, out, rank = sys.argv[1], sys.argv[2], os.environ["OMPI_COMM_WORLD_RANK"]
+for fd, name in ((1, "out"), (2, "err")):
+    os.dup2(os.open(f"{out}/{name}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+os.execv(sys.executable, [sys.executable, "-m", "thunderpool.engine.worker", job])
+"""
+_POLL_S = 0.02
+
+
+def mpi_command(
+    mpirun: str, n: int, pin: bool, env_names: list[str], argv: list[str], root: bool
+) -> list[str]:
+    """The mpirun command line: n local ranks, one core each if pinned."""
+    cmd = [mpirun, "-np", str(n), "--bind-to", "core" if pin else "none"]
+    if pin:
+        cmd += ["--map-by", "core"]
+    else:
+        cmd += ["--oversubscribe"]
+    if root:
+        cmd.append("--allow-run-as-root")
+    for name in env_names:
+        cmd += ["-x", name]
+    return cmd + argv
+
+
+def find_mpi() -> tuple[str, str]:
+    """(mpirun path, libmpi file name), or a LaunchError saying what to install."""
+    import shutil
+
+    mpirun = shutil.which("mpirun")
+    lib = ctypes.util.find_library("mpi")
+    if mpirun is None or lib is None:
+        raise LaunchError(
+            "--backend mpi needs Open MPI's mpirun and libmpi (`apt install openmpi-bin`); "
+            "or use --backend ring"
+        )
+    out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30)
+    if "Open MPI" not in out.stdout + out.stderr:
+        raise LaunchError(
+            f"{mpirun} is not Open MPI ({(out.stdout or out.stderr).strip()[:60]!r}); "
+            "--backend mpi is tested with Open MPI only; use --backend ring"
+        )
+    return mpirun, lib
+
+
+def rank_argv(job_file: Path, out_dir: Path) -> list[str]:
+    """What mpirun runs for every rank: the worker with its output in out_dir/{out,err}.RANK."""
+    return [sys.executable, "-c", _RANK_BOOT, str(job_file), str(out_dir)]
+
+
+def tail_lines(path: Path, done, put) -> None:
+    """put() each complete line written to `path` (created later, maybe never) until done()
+    is true and the file is read to its end; then put(None)."""
+    while not path.exists():
+        if done():
+            put(None)
+            return
+        time.sleep(_POLL_S)
+    with path.open() as f:
+        partial = ""
+        while True:
+            chunk = f.readline()
+            if chunk:
+                partial += chunk
+                if partial.endswith("\n"):
+                    put(partial.rstrip("\n"))
+                    partial = ""
+                continue
+            if done():
+                # One last read: the writer may have finished between readline and done().
+                rest = partial + f.read()
+                for line in rest.splitlines():
+                    put(line)
+                put(None)
+                return
+            time.sleep(_POLL_S)
+
+
+def _cpus() -> list[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def _die_with_parent() -> None:
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def session_pids(sid: int) -> list[int]:
+    """Every live (not zombie) process of session `sid` (Linux /proc): mpirun and its ranks."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # Fields after the ")" closing the command name: state ppid pgrp session ...
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                pids.append(int(stat.parent.name))
+    return pids
+
+
+class MpiInstance:
+    """N ranks of one job on this host under mpirun; `events()` streams their output."""
+
+    def __init__(
+        self,
+        job: RankJob,
+        *,
+        timeout: float | None = 600.0,
+        pin: bool | None = None,
+        env: dict[str, str] | None = None,
+    ):
+        if job.backend != "mpi":
+            raise LaunchError(f"MpiInstance runs backend 'mpi' jobs, not {job.backend!r}")
+        self.job, self.timeout = job, timeout
+        n = job.world_size
+        self.pin = (1 < n <= len(_cpus())) if pin is None else pin
+        self.env = dict(env or {})
+        self.proc: subprocess.Popen | None = None
+        self.procs: list[subprocess.Popen] = []
+        self.stderr_tail: list[deque[str]] = [deque(maxlen=20) for _ in range(n + 1)]
+        self.lines: queue.Queue = queue.Queue()
+        self.tmp = tempfile.TemporaryDirectory(prefix="thunderpool-mpi-")
+
+    def __enter__(self) -> MpiInstance:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+    def start(self) -> None:
+        mpirun, lib = find_mpi()
+        tmp = Path(self.tmp.name)
+        job_file = tmp / "job.json"
+        job_file.write_text(self.job.model_dump_json())
+        extra = {
+            **fast_blas_env(),
+            "MLX_MPI_LIBNAME": lib,
+            **one_core_env(0 if self.pin else None),
+            **self.env,
+        }
+        argv = rank_argv(job_file, tmp)
+        root = hasattr(os, "geteuid") and os.geteuid() == 0
+        cmd = mpi_command(mpirun, self.job.world_size, self.pin, sorted(extra), argv, root)
+        self.proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, **extra},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        self.procs = [self.proc]
+        for stream in (self.proc.stdout, self.proc.stderr):
+            threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+        done = lambda: self.proc.poll() is not None  # noqa: E731
+        for rank in range(self.job.world_size):
+            for name in ("out", "err"):
+                put = lambda line, r=rank, n=name: self.lines.put((r, n, line))  # noqa: E731
+                args = (tmp / f"{name}.{rank}", done, put)
+                threading.Thread(target=tail_lines, args=args, daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        """mpirun's own output (its errors), filed under rank None."""
+        for line in stream:
+            self.lines.put((None, "err", line.rstrip("\n")))
+        self.lines.put((None, "err", None))
+
+    def events(self) -> Iterator[RankEvent]:
+        """Yields each rank's events until mpirun exits 0; raises LaunchError otherwise."""
+        assert self.proc is not None, "start() first"
+        open_streams = 2 + 2 * self.job.world_size
+        limit = self.timeout if self.timeout is not None else float("inf")
+        deadline = time.monotonic() + limit
+        while open_streams or self.proc.poll() is None:
+            self._check_exit()
+            if time.monotonic() > deadline:
+                self.kill()
+                raise LaunchError(
+                    f"no progress from the ranks for {self.timeout:.0f}s; stopped all "
+                    f"{self.job.world_size} ranks (raise --timeout for very large models)"
+                )
+            try:
+                rank, name, line = self.lines.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if line is None:
+                open_streams -= 1
+                continue
+            deadline = time.monotonic() + limit
+            if name == "err":
+                self._tail(rank).append(line)
+            elif line.startswith(EVENT_PREFIX):
+                yield RankEvent(rank, json.loads(line[len(EVENT_PREFIX) :]))
+        self._check_exit()
+
+    def _tail(self, rank: int | None) -> deque[str]:
+        return self.stderr_tail[self.job.world_size if rank is None else rank]
+
+    def _check_exit(self) -> None:
+        code = self.proc.poll()
+        if code in (None, 0):
+            return
+        time.sleep(0.3)  # let the tails catch the ranks' last words
+        with contextlib.suppress(queue.Empty):
+            while True:
+                rank, name, line = self.lines.get_nowait()
+                if name == "err" and line is not None:
+                    self._tail(rank).append(line)
+        self.kill()
+        raise LaunchError(self._describe_failure(code))
+
+    def _describe_failure(self, code: int) -> str:
+        n = self.job.world_size
+        for rank in range(n):
+            errors = [ln for ln in self.stderr_tail[rank] if ln.startswith("error:")]
+            if errors:
+                cause = errors[-1].removeprefix("error: ")
+                return f"rank {rank} failed: {cause}; stopped all {n} ranks"
+        for rank in range(n + 1):
+            tail = [ln for ln in self.stderr_tail[rank] if ln.strip()]
+            if tail:
+                who = "mpirun" if rank == n else f"rank {rank}"
+                return f"{who} exited with code {code}: {tail[-1]}; stopped all {n} ranks"
+        return f"mpirun exited with code {code} (no output); stopped all {n} ranks"
+
+    def kill(self, grace: float = 2.0) -> None:
+        """SIGTERM mpirun's whole session (mpirun and every rank), then SIGKILL; reap all."""
+        if self.proc is not None:
+            sid = self.proc.pid
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                pids = session_pids(sid) if sys.platform == "linux" else [sid]
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, sig)
+                end = time.monotonic() + grace
+                while time.monotonic() < end and self._alive(sid):
+                    time.sleep(0.05)
+                if not self._alive(sid):
+                    break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=grace)
+        self.tmp.cleanup()
+
+    def _alive(self, sid: int) -> bool:
+        self.proc.poll()  # reap mpirun itself so that it stops counting as alive
+        if sys.platform != "linux":
+            return self.proc.poll() is None
+        return bool(session_pids(sid))

@@ -1,0 +1,71 @@
+"""Collectives per decode step, counted exactly: TP issues 2 all_sums per layer plus one
+control exchange; PP one send and one recv on the leader plus the exchange. Counted by the
+bench's shim around mx.distributed inside real 2-rank runs, and in one process."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from thunderpool.bench.breakdown import count_decode_step, counting_collectives, solo_collectives
+from thunderpool.bench.run import bench_parallel
+from thunderpool.engine.control import Control
+from thunderpool.engine.engine import Leader
+from thunderpool.engine.loader import Layout, load_shard
+from thunderpool.parallel import tensor
+
+LAYERS = 4  # num_hidden_layers of the tiny checkpoints in conftest.py
+
+
+def test_shim_counts_and_restores():
+    real = mx.distributed.all_sum
+    with counting_collectives() as counts:
+        group = mx.distributed.init()
+        mx.eval(mx.distributed.all_sum(mx.ones(3), group=group))
+        mx.eval(mx.distributed.all_sum(mx.ones(3), group=group))
+    assert counts == {"all_sum": 2}
+    assert mx.distributed.all_sum is real
+
+
+def test_solo_collectives_are_local_stand_ins():
+    real = (mx.distributed.all_sum, mx.distributed.send, mx.distributed.recv)
+    with solo_collectives():
+        x = mx.arange(4.0)
+        assert mx.distributed.all_sum(x, group=None).tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert mx.distributed.send(x, 1, group=None) is x
+        got = mx.distributed.recv((2, 3), mx.float32, 0, group=None)
+        assert got.shape == (2, 3) and got.dtype == mx.float32 and not got.any().item()
+    assert (mx.distributed.all_sum, mx.distributed.send, mx.distributed.recv) == real
+
+
+def test_one_process_tp_layout_counts_two_all_sums_per_layer(tiny_models):
+    """The uneven-TP wrapping (SumAfter) on a group of one: the same graph as a TP rank's,
+    so one decode step builds exactly 2 all_sums per layer and no control message."""
+    group = mx.distributed.init()
+    runner, _, _ = load_shard(tiny_models["qwen3"], group, Layout())
+    for layer in runner.model.layers:
+        tensor.shard_attention(layer.self_attn, tensor.HeadShare(0, 6, 0, 3), group)
+        tensor.shard_mlp(layer.mlp, [1.0], 0, group)
+    counts = count_decode_step(Leader(runner, Control(group)), list(range(1, 9)))
+    expected = {"by_op": {"all_sum": 2 * LAYERS}, "model": 2 * LAYERS, "control": 0}
+    assert counts == {**expected, "total": 2 * LAYERS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kind", "parallel", "by_op", "model"),
+    [
+        # mlx-lm's even shard (llama, 2 KV heads) and our uneven one (qwen3, 3 KV heads).
+        ("llama", "tp", {"all_sum": 2 * LAYERS + 1}, 2 * LAYERS),
+        ("qwen3", "tp", {"all_sum": 2 * LAYERS + 1}, 2 * LAYERS),
+        ("llama", "pp", {"all_sum": 1, "recv": 1, "send": 1}, 2),
+    ],
+)
+def test_two_ranks_count_per_decode_step(tiny_models, kind, parallel, by_op, model):
+    r = bench_parallel(tiny_models[kind], 2, parallel, prompt_tokens=8, max_tokens=6, repeats=2)
+    counts = r["breakdown"]["collectives_per_step"]
+    assert counts == {"by_op": by_op, "model": model, "control": 1, "total": model + 1}
+    assert (r["collectives_per_token"], r["control_collectives_per_token"]) == (model, 1)
+    # The count stopped a generation early; both timed runs after it match token for token.
+    assert r["identical_runs"] is True and len(r["tokens"]) == 6
+    assert len(r["breakdown"]["compute_ms_by_rank"]) == 2

@@ -1,0 +1,116 @@
+"""Local ranks under Open MPI's mpirun with MLX's `mpi` backend: the same tokens and logits as
+one rank, rank-tagged events, and no process left behind on success, failure or kill."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import run_trace, tiny_prompts
+
+from thunderpool.cluster.mpi import MpiInstance, mpi_command, session_pids, tail_lines
+from thunderpool.engine.job import RankJob, TraceTask
+from thunderpool.errors import LaunchError
+
+needs_mpi = pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (openmpi-bin)")
+
+
+def test_tail_reads_whole_lines_until_done(tmp_path):
+    path, lines, finished = tmp_path / "out.0", [], threading.Event()
+    reader = threading.Thread(target=tail_lines, args=(path, finished.is_set, lines.append))
+    reader.start()
+    time.sleep(0.1)  # the file does not exist yet: the tail waits for it
+    with path.open("w") as f:
+        f.write("TPEV {}\npart")
+        f.flush()
+        time.sleep(0.1)
+        f.write("ial\nlast")
+    finished.set()
+    reader.join(timeout=5)
+    assert lines == ["TPEV {}", "partial", "last", None]
+
+
+def test_tail_of_a_rank_that_never_started_ends():
+    lines = []
+    tail_lines(Path("/nonexistent/out.1"), lambda: True, lines.append)
+    assert lines == [None]
+
+
+def test_command_pins_one_core_per_rank():
+    cmd = mpi_command("/usr/bin/mpirun", 2, True, ["A", "B"], ["python", "w.py"], root=True)
+    assert cmd == [
+        "/usr/bin/mpirun", "-np", "2", "--bind-to", "core", "--map-by", "core",
+        "--allow-run-as-root", "-x", "A", "-x", "B", "python", "w.py",
+    ]  # fmt: skip
+    loose = mpi_command("mpirun", 3, False, [], ["w"], root=False)
+    assert loose == ["mpirun", "-np", "3", "--bind-to", "none", "--oversubscribe", "w"]
+
+
+def trace_job(model_dir, out, nodes=2, parallel="tp") -> RankJob:
+    task = TraceTask(prompts=tuple(map(tuple, tiny_prompts())), max_tokens=12, out=str(out))
+    return RankJob(
+        model_dir=str(model_dir), world_size=nodes, parallel=parallel, backend="mpi", task=task
+    )
+
+
+@needs_mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["tp", "pp"])
+def test_mpi_ranks_match_one_rank(tiny_models, tmp_path, parallel):
+    one = run_trace(tiny_models["qwen3"], tmp_path / "one.npz", nodes=1, max_tokens=12)
+    with MpiInstance(trace_job(tiny_models["qwen3"], tmp_path / "mpi.npz", 2, parallel)) as inst:
+        events = list(inst.events())
+        sid = inst.proc.pid
+    assert sorted(e.rank for e in events if e.event["kind"] == "loaded") == [0, 1]
+    got = np.load(tmp_path / "mpi.npz")
+    np.testing.assert_array_equal(got["tokens"], one["tokens"])
+    np.testing.assert_allclose(got["logits"], one["logits"], rtol=1e-4, atol=1e-4)
+    assert session_pids(sid) == []
+
+
+@needs_mpi
+def test_a_failing_rank_names_itself_and_nothing_is_left(tmp_path):
+    job = trace_job(tmp_path / "missing-model", tmp_path / "x.npz")
+    inst = MpiInstance(job, timeout=60)
+    with pytest.raises(LaunchError) as err, inst:
+        list(inst.events())
+    assert "rank 0 failed" in str(err.value) and "config.json" in str(err.value)
+    assert session_pids(inst.proc.pid) == []
+
+
+@needs_mpi
+def test_kill_ends_every_rank(tiny_models, tmp_path):
+    inst = MpiInstance(trace_job(tiny_models["llama"], tmp_path / "k.npz"), timeout=60)
+    inst.start()
+    deadline = time.monotonic() + 30
+    while len(session_pids(inst.proc.pid)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(session_pids(inst.proc.pid)) >= 3  # mpirun and both ranks
+    inst.kill()
+    assert session_pids(inst.proc.pid) == []
+
+
+@needs_mpi
+def test_ranks_die_with_a_killed_mpirun(tiny_models, tmp_path):
+    """SIGKILL gives mpirun no chance to stop its ranks: they must not spin on alone."""
+    inst = MpiInstance(trace_job(tiny_models["llama"], tmp_path / "k.npz"), timeout=60)
+    inst.start()
+    started = [Path(inst.tmp.name) / f"out.{rank}" for rank in (0, 1)]
+    deadline = time.monotonic() + 30
+    while not all(f.exists() for f in started) and time.monotonic() < deadline:
+        time.sleep(0.1)  # each rank creates its file once it is set to die with mpirun
+    ranks = [p for p in session_pids(inst.proc.pid) if p != inst.proc.pid]
+    assert len(ranks) == 2
+    os.kill(inst.proc.pid, signal.SIGKILL)
+    inst.proc.wait()
+    deadline = time.monotonic() + 10
+    while session_pids(inst.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert session_pids(inst.proc.pid) == []
+    inst.kill()
