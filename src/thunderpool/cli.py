@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="collectives between the local ranks: MLX ring over loopback (default) or MPI "
         "shared memory under Open MPI's mpirun",
     )
+    bench.add_argument(
+        "--tp-weights", type=_floats, help="TP: per-rank head and channel shares, e.g. 1,2"
+    )
     bench.add_argument("--json", type=Path, help="write all results as JSON here (plots beside)")
     bench.add_argument(
         "--out", type=Path, help="write bench.json, scaling.png and breakdown.png into this dir"

@@ -202,5 +202,6 @@ def bench(args: argparse.Namespace) -> int:
         pin=args.pin,
         backend=args.backend,
         timeout=args.timeout,
+        tp_weights=args.tp_weights,
     )
     return 0

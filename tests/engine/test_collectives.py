@@ -1,5 +1,6 @@
-"""Collectives per decode step, counted exactly: TP issues 2 all_sums per layer plus one
-control exchange; PP one send and one recv on the leader plus the exchange. Counted by the
+"""Collectives per decode step, counted exactly: TP issues 2 all_sums per layer, one
+all_gather of the split output head's logits and one control exchange; PP one send and one
+recv on the leader plus the exchange. Counted by the
 bench's shim around mx.distributed inside real 2-rank runs, and in one process."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from thunderpool.engine.loader import Layout, load_shard
 from thunderpool.parallel import tensor
 
 LAYERS = 4  # num_hidden_layers of the tiny checkpoints in conftest.py
+TP_STEP = {"all_gather": 1, "all_sum": 2 * LAYERS + 1}
 
 
 def test_shim_counts_and_restores():
@@ -53,16 +55,17 @@ def test_one_process_tp_layout_counts_two_all_sums_per_layer(tiny_models):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("kind", "parallel", "by_op", "model"),
+    ("kind", "parallel", "weights", "by_op", "model"),
     [
         # mlx-lm's even shard (llama, 2 KV heads) and our uneven one (qwen3, 3 KV heads).
-        ("llama", "tp", {"all_sum": 2 * LAYERS + 1}, 2 * LAYERS),
-        ("qwen3", "tp", {"all_sum": 2 * LAYERS + 1}, 2 * LAYERS),
-        ("llama", "pp", {"all_sum": 1, "recv": 1, "send": 1}, 2),
+        ("llama", "tp", None, TP_STEP, 2 * LAYERS + 1),
+        ("qwen3", "tp", None, TP_STEP, 2 * LAYERS + 1),
+        ("qwen3", "tp", (1.0, 2.0), TP_STEP, 2 * LAYERS + 1),
+        ("llama", "pp", None, {"all_sum": 1, "recv": 1, "send": 1}, 2),
     ],
 )
-def test_two_ranks_count_per_decode_step(tiny_models, kind, parallel, by_op, model):
-    r = bench_parallel(tiny_models[kind], 2, parallel, prompt_tokens=8, max_tokens=6, repeats=2)
+def test_two_ranks_count_per_decode_step(tiny_models, kind, parallel, weights, by_op, model):
+    r = bench_parallel(tiny_models[kind], 2, parallel, 8, 6, repeats=2, tp_weights=weights)
     counts = r["breakdown"]["collectives_per_step"]
     assert counts == {"by_op": by_op, "model": model, "control": 1, "total": model + 1}
     assert (r["collectives_per_token"], r["control_collectives_per_token"]) == (model, 1)

@@ -169,8 +169,10 @@ def test_run_bench_on_tiny_llama(tiny_models, tmp_path):
 
     tp, pp = results["parallel"]["tp2"], results["parallel"]["pp2"]
     assert (tp["parallel"], tp["world_size"]) == ("tp", 2)
-    assert tp["collectives_per_token"] == 2 * LAYERS
-    assert tp["breakdown"]["collectives_per_step"]["by_op"] == {"all_sum": 2 * LAYERS + 1}
+    assert tp["collectives_per_token"] == 2 * LAYERS + 1  # + the split head's all_gather
+    by_op = {"all_gather": 1, "all_sum": 2 * LAYERS + 1}
+    assert tp["breakdown"]["collectives_per_step"]["by_op"] == by_op
+    assert tp["breakdown"]["logits_all_gather_ms"] > 0
     assert (pp["parallel"], pp["world_size"]) == ("pp", 2)
     assert pp["collectives_per_token"] == 2  # the leader's send and recv
     for r in (tp, pp):

@@ -14,10 +14,13 @@ Method, per layout, measured on the real instance after its timed runs:
 4. latency: the median time of one all_sum of a hidden-size row and of one control-size
    message, each alone with an eval around it (a little more than inside a graph).
 
-collective = model count x hidden latency + control count x control latency; wait = step -
-compute - collective, clamped at 0 (imbalance, Python between steps, sync the estimate
-misses). `collective_ratio` = (step - compute) / (model count x hidden latency): what the
-collectives really add against the latency bound, `layers x 2 x latency` for TP.
+   TP's split output head adds one all_gather of this rank's logits, timed the same way.
+
+collective = the model's all_sums (or sends and recvs) x hidden latency + gathers x gather
+latency + control count x control latency; wait = step - compute - collective, clamped at 0
+(imbalance, Python between steps, sync the estimate misses). `collective_ratio` = (step -
+compute) / (the model's all_sums x hidden latency): what the collectives really add (the
+logits' gather included) against the latency bound, `layers x 2 x latency` for TP.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ def solo_collectives() -> Iterator[None]:
         "all_sum": lambda x, *a, **k: x,
         "send": lambda x, *a, **k: x,
         "recv": lambda shape, dtype, *a, **k: mx.zeros(shape, dtype),
+        # Every rank's share of the split output head stands in for the others' (same shape).
+        "all_gather": lambda x, *a, group=None, **k: mx.concatenate([x] * _size(group)),
     }
     originals = {name: getattr(mx.distributed, name) for name in stand_ins}
     try:
@@ -74,6 +79,10 @@ def solo_collectives() -> Iterator[None]:
     finally:
         for name, fn in originals.items():
             setattr(mx.distributed, name, fn)
+
+
+def _size(group) -> int:
+    return group.size() if group is not None else 1
 
 
 def count_decode_step(leader, prompt: list[int]) -> dict:
@@ -155,6 +164,7 @@ def decode_breakdown(
     counts: dict,
     hidden_latency_ms: float,
     control_latency_ms: float,
+    gather_latency_ms: float = 0.0,
 ) -> dict:
     """Split one decode step (see the module docstring); pure, so unit-testable."""
     if parallel == "single" or not compute_ms_by_rank:
@@ -163,9 +173,15 @@ def decode_breakdown(
         compute = sum(compute_ms_by_rank)
     else:
         compute = max(compute_ms_by_rank)
-    collective = counts["model"] * hidden_latency_ms + counts["control"] * control_latency_ms
+    gathers = counts["by_op"].get("all_gather", 0)
+    hidden_ones = counts["model"] - gathers  # TP: the layers' all_sums; PP: send and recv
+    collective = (
+        hidden_ones * hidden_latency_ms
+        + gathers * gather_latency_ms
+        + counts["control"] * control_latency_ms
+    )
     added = max(step_ms - compute, 0.0)
-    bound = counts["model"] * hidden_latency_ms
+    bound = hidden_ones * hidden_latency_ms
     return {
         "step_ms": step_ms,
         "compute_ms": compute,
@@ -179,4 +195,5 @@ def decode_breakdown(
         "collectives_per_step": counts,
         "hidden_all_sum_ms": hidden_latency_ms,
         "control_all_sum_ms": control_latency_ms,
+        "logits_all_gather_ms": gather_latency_ms,
     }

@@ -162,13 +162,16 @@ def step_breakdown(
     """Counted collectives per decode step, per-rank compute alone, all_sum latencies, and
     the split of a step into compute, collectives and waiting (breakdown.py)."""
     step_ms = 1e3 / statistics.median(r.decode_tps for r in runs)
-    by_rank, hidden_ms, control_ms = [], 0.0, 0.0
+    by_rank, hidden_ms, control_ms, gather_ms = [], 0.0, 0.0, 0.0
     if leader.control.size > 1:
         leader.control.send({"op": "solo", "t": prompt, "n": steps})
         by_rank = solo_compute(leader.runner, leader.control.group, prompt, steps)
         hidden_ms = leader.probe((1, 1, hidden), PROBE_REPEATS) * 1e3
         control_ms = leader.probe((1,), PROBE_REPEATS) * 1e3
-    split = decode_breakdown(step_ms, parallel, by_rank, counts, hidden_ms, control_ms)
+        if counts["by_op"].get("all_gather"):
+            rows = leader.runner.model.lm_head.width
+            gather_ms = leader.probe((rows, 1), PROBE_REPEATS, "all_gather") * 1e3
+    split = decode_breakdown(step_ms, parallel, by_rank, counts, hidden_ms, control_ms, gather_ms)
     return {
         "breakdown": split,
         # The table's columns (and the planner-accuracy bench) read these.

@@ -26,6 +26,7 @@ def bench_parallel(
     pin: bool | None = None,
     concurrency: tuple[int, ...] = (),
     backend: str = "ring",
+    tp_weights: tuple[float, ...] | None = None,
 ) -> dict:
     """Run a BenchTask on `nodes` local ranks; the leader's results plus per-rank memory.
 
@@ -44,6 +45,7 @@ def bench_parallel(
         parallel=parallel,
         task=task,
         backend="mpi" if backend == "mpi" and nodes > 1 else "ring",
+        tp_weights=tp_weights if parallel == "tp" and nodes > 1 else None,
     )
     if job.backend == "mpi":
         from thunderpool.cluster.mpi import MpiInstance as Instance
@@ -88,6 +90,7 @@ def run_bench(
     pin: bool = False,
     backend: str = "ring",
     timeout: float = 600.0,
+    tp_weights: tuple[float, ...] | None = None,
 ) -> dict:
     """One rank against mlx-lm, then each mode at each node count; prints tables, writes
     JSON and plots (to `json_out` and/or `out_dir`)."""
@@ -116,7 +119,13 @@ def run_bench(
             with console.status(f"{mode.upper()}{n}: {n} ranks ({backend})"):
                 try:
                     parallel[f"{mode}{n}"] = bench_parallel(
-                        model_dir, n, mode, *args, pin=True if pin else None, backend=backend
+                        model_dir,
+                        n,
+                        mode,
+                        *args,
+                        pin=True if pin else None,
+                        backend=backend,
+                        tp_weights=tp_weights,
                     )
                 except ThunderpoolError as e:
                     # One layout that cannot run (e.g. more ranks than layers) should not hide

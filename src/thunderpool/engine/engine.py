@@ -149,21 +149,29 @@ class Leader:
             yield tail
         self.stats.finish_reason = reason
 
-    def probe(self, shape: tuple[int, ...], repeats: int) -> float:
-        """Median seconds of one all_sum of `shape` floats across the group (all ranks join)."""
-        self.control.send({"op": "probe", "shape": list(shape), "n": repeats})
-        return all_sum_latency(self.control.group, shape, repeats)
+    def probe(self, shape: tuple[int, ...], repeats: int, op: str = "all_sum") -> float:
+        """Median seconds of one `op` (all_sum or all_gather) of `shape` floats across the
+        group (all ranks join)."""
+        self.control.send({"op": "probe", "shape": list(shape), "n": repeats, "c": op})
+        return collective_latency(self.control.group, shape, repeats, op)
 
     def shutdown(self) -> None:
         self.control.send({"op": "stop"})
 
 
-def all_sum_latency(group: mx.distributed.Group, shape: tuple[int, ...], repeats: int) -> float:
-    x = mx.zeros(shape)
+PROBES = {"all_sum": mx.distributed.all_sum, "all_gather": mx.distributed.all_gather}
+
+
+def collective_latency(
+    group: mx.distributed.Group, shape: tuple[int, ...], repeats: int, op: str = "all_sum"
+) -> float:
+    if op not in PROBES:
+        raise RuntimeError(f"cannot probe {op!r}; one of {sorted(PROBES)}")
+    x, collective = mx.zeros(shape), PROBES[op]
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        mx.eval(mx.distributed.all_sum(x, group=group))
+        mx.eval(collective(x, group=group))
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
 
@@ -215,7 +223,8 @@ def follow(runner: Runner, control: Control) -> None:
             case "step":
                 out = batch.step(command["drop"], command["join"], command["t"])
             case "probe":
-                all_sum_latency(control.group, tuple(command["shape"]), command["n"])
+                shape = tuple(command["shape"])
+                collective_latency(control.group, shape, command["n"], command.get("c", "all_sum"))
             case op:
                 raise RuntimeError(f"unknown command {op!r} from the leader")
         if out is not None:

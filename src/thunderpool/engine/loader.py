@@ -23,7 +23,7 @@ from mlx_lm.utils import load_config, load_model
 
 from thunderpool.engine.runner import Runner
 from thunderpool.errors import ModelError
-from thunderpool.parallel import tensor
+from thunderpool.parallel import tensor, vocab
 from thunderpool.parallel.pipeline import PipelineStage, split_layers
 
 
@@ -131,7 +131,9 @@ def load_shard(
         stage = PipelineStage(model, group, split)
         bounds, method = split[group.rank()], "pp"
     elif group.size() > 1:
-        method = tensor.shard(model, group, list(layout.tp_weights or []) or None)
+        weights = list(layout.tp_weights or []) or None
+        method = tensor.shard(model, group, weights)
+        vocab.split_head(model, group, weights)
     try:
         for i, layer in enumerate(model.layers):
             mx.eval(layer.parameters())

@@ -7,15 +7,19 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from thunderpool.parallel.pipeline import PipelineStage
+from thunderpool.parallel.vocab import has_split_head
 
 
 class Runner:
-    """Runs the local part of the model; the leader (rank 0) gets the last position's logits."""
+    """Runs the local part of the model; the leader (rank 0) gets the last position's logits
+    (and so does every TP rank, through the split output head's all_gather)."""
 
     def __init__(self, model: nn.Module, group: mx.distributed.Group, stage: PipelineStage | None):
         self.model, self.group, self.stage = model, group, stage
         self.rank, self.size = group.rank(), group.size()
         self.is_leader = self.rank == 0
+        # TP ranks each project onto their part of the vocabulary, then all_gather the logits.
+        self.every_rank_projects = stage is None and has_split_head(model)
 
     def make_cache(self) -> list:
         return make_prompt_cache(self.model)
@@ -26,7 +30,7 @@ class Runner:
             h = self.stage.forward(tokens, cache)
         else:
             h = self.model.model(tokens, cache=cache)[:, -1:, :]
-        if not self.is_leader:
+        if not (self.is_leader or self.every_rank_projects):
             return h  # TP followers evaluate the same all_sums as the leader; PP ones get None
         return self.project(h)[:, -1, :]
 

@@ -3,9 +3,11 @@
 Each rank's decode time is max(bytes read / memory bandwidth, FLOPs / compute) plus a fixed
 dispatch cost per weight matmul (kernel launch and sync: it does not shrink when TP splits the
 matmul). A TP stage runs its ranks in parallel (the slowest rank sets the pace) and pays 2
-all-reduces per layer; PP stages run one after another for a single stream and pay one hop per
-stage boundary, plus the hop that returns the last hidden state to rank 0 (which holds the
-embedding and output head). Every collective also pays its link's fixed software overhead.
+all-reduces per layer; a pure TP layout also splits the output head over its ranks and
+gathers the logits once per step (parallel/vocab.py). PP stages run one after another for a
+single stream and pay one hop per stage boundary, plus the hop that returns the last hidden
+state to rank 0 (which holds the embedding and output head). Every collective also pays its
+link's fixed software overhead.
 """
 
 from __future__ import annotations
@@ -92,6 +94,13 @@ class LinkSpec:
         """One point-to-point message."""
         return self.overhead_s + self.latency_s + nbytes / self.bandwidth_Bps
 
+    def all_gather_s(self, nbytes: float, n: int) -> float:
+        """All-gather of nbytes in all, each of n ranks contributing nbytes / n: one latency
+        over RDMA's mesh, n - 1 ring steps over TCP."""
+        moved = (n - 1) / n * nbytes / self.bandwidth_Bps
+        steps = 1 if self.kind == "rdma" else n - 1
+        return self.overhead_s + steps * self.latency_s + moved
+
     def all_reduce_s(self, nbytes: float, n: int) -> float:
         """All-reduce of nbytes over n ranks.
 
@@ -162,14 +171,28 @@ def shares(spec: ModelSpec, stage: Stage) -> list[Share]:
     ]
 
 
-def weight_bytes(spec: ModelSpec, stage: Stage, share: Share, first: bool) -> float:
-    """Bytes of weights a rank holds; every rank of the first stage holds embedding and head."""
-    return _layer_bytes(spec, stage, share, batch=None) + (_io_bytes(spec) if first else 0)
+def head_share(stages: tuple[Stage, ...] | list[Stage], k: int, share: Share) -> float:
+    """The fraction of the output head a rank of stage k runs: every rank of the first stage
+    runs it whole, except in a pure TP layout, which splits it by the ranks' weights."""
+    if k:
+        return 0.0
+    return share.mlp if len(stages) == 1 and len(stages[0].nodes) > 1 else 1.0
 
 
-def read_bytes(spec: ModelSpec, stage: Stage, share: Share, first: bool, batch: int) -> float:
+def weight_bytes(spec: ModelSpec, stage: Stage, share: Share, head: float) -> float:
+    """Bytes of weights a rank holds (`head`: see head_share). A split head keeps the whole
+    embedding for the input plus its rows of the output matrix (a copy, when tied)."""
+    io = 0.0
+    if head == 1.0:
+        io = _io_bytes(spec)
+    elif head:
+        io = spec.embed_bytes + spec.norm_bytes + spec.output_bytes * head
+    return _layer_bytes(spec, stage, share, batch=None) + io
+
+
+def read_bytes(spec: ModelSpec, stage: Stage, share: Share, head: float, batch: int) -> float:
     """Weight bytes a rank reads in one forward of `batch` tokens (MoE: experts touched)."""
-    out = spec.output_bytes + spec.norm_bytes if first else 0
+    out = spec.output_bytes * head + spec.norm_bytes if head else 0
     return _layer_bytes(spec, stage, share, batch) + out
 
 
@@ -205,7 +228,7 @@ def predict(
     n_coll = 0
     prefill = 0.0
     for k, stage in enumerate(stages):
-        first, ranks = k == 0, shares(spec, stage)
+        ranks = shares(spec, stage)
         # Decode: batch tokens, each attending over prompt_tokens cached tokens.
         times = [
             _rank_time(
@@ -213,7 +236,7 @@ def predict(
                 stage,
                 s,
                 _concurrent(nodes, stage, s.node),
-                first,
+                head_share(stages, k, s),
                 batch,
                 prompt_tokens,
                 kv_dtype_bytes,
@@ -226,7 +249,12 @@ def predict(
         dispatch += disp_s
         # Prefill: one prompt, compute-bound; attention covers half the square on average.
         prefill += max(
-            max(_prefill_time(spec, stage, s, nodes[s.node], first, prompt_tokens)) for s in ranks
+            max(
+                _prefill_time(
+                    spec, stage, s, nodes[s.node], head_share(stages, k, s), prompt_tokens
+                )
+            )
+            for s in ranks
         )
         if len(ranks) > 1:
             link = _slowest(links, stage.nodes, batch * hidden * act_bytes)
@@ -234,6 +262,12 @@ def predict(
             collective += n_reduce * link.all_reduce_s(batch * hidden * act_bytes, len(ranks))
             prefill += n_reduce * link.all_reduce_s(prompt_tokens * hidden * act_bytes, len(ranks))
             n_coll += n_reduce
+            if len(stages) == 1:
+                # The split head's logits, gathered once per forward (parallel/vocab.py).
+                logits = spec.vocab * act_bytes
+                collective += link.all_gather_s(batch * logits, len(ranks))
+                prefill += link.all_gather_s(logits, len(ranks))
+                n_coll += 1
     everyone = tuple(n for s in stages for n in s.nodes)
     if len(everyone) > 1:
         # The leader's per-step command: one small all_sum around the ring of all ranks.
@@ -287,7 +321,7 @@ def _io_bytes(spec: ModelSpec) -> int:
     return spec.embed_bytes + spec.head_bytes + spec.norm_bytes
 
 
-def _flops(spec: ModelSpec, stage: Stage, share: Share, first: bool, kv_len: float) -> float:
+def _flops(spec: ModelSpec, stage: Stage, share: Share, head: float, kv_len: float) -> float:
     """FLOPs of one token on this rank: 2 per active parameter, plus QK and AV over kv_len.
 
     Projections TP replicates (kv_proj bytes, at the model's mean bytes per parameter) run
@@ -301,32 +335,31 @@ def _flops(spec: ModelSpec, stage: Stage, share: Share, first: bool, kv_len: flo
     width = spec.attn_dim or 2 * spec.head_dim
     attended = sum(spec.attended(i, kv_len) for i in range(*stage.layers))
     attn = 2 * spec.heads * width * attended
-    head = 2 * spec.vocab * spec.hidden if first else 0
-    return 2 * params + attn * share.q + head
+    return 2 * params + attn * share.q + 2 * spec.vocab * spec.hidden * head
 
 
-def _matmuls(spec: ModelSpec, stage: Stage, first: bool) -> int:
+def _matmuls(spec: ModelSpec, stage: Stage, head: float) -> int:
     """Weight matmuls a decode step runs on a rank of this stage (+1 for the output head)."""
     per_layer = spec.matmuls_per_layer
-    return sum(per_layer[i] for i in range(*stage.layers)) + first if per_layer else 0
+    return sum(per_layer[i] for i in range(*stage.layers)) + (head > 0) if per_layer else 0
 
 
-def _rank_time(spec, stage, share, node, first, batch, kv_len, kv_dtype_bytes):
+def _rank_time(spec, stage, share, node, head, batch, kv_len, kv_dtype_bytes):
     """(memory seconds, compute seconds, dispatch seconds) of one decode step on one rank."""
-    nbytes = read_bytes(spec, stage, share, first, batch)
+    nbytes = read_bytes(spec, stage, share, head, batch)
     nbytes += kv_read_bytes(spec, stage, share, batch, kv_len, kv_dtype_bytes)
-    flops = batch * _flops(spec, stage, share, first, kv_len)
+    flops = batch * _flops(spec, stage, share, head, kv_len)
     return (
         nbytes / node.mem_bw_Bps,
         flops / node.flops,
-        _matmuls(spec, stage, first) * node.op_latency_s,
+        _matmuls(spec, stage, head) * node.op_latency_s,
     )
 
 
-def _prefill_time(spec, stage, share, node, first, tokens):
+def _prefill_time(spec, stage, share, node, head, tokens):
     """(memory seconds, compute seconds) of a `tokens`-long prompt on one rank."""
-    nbytes = read_bytes(spec, stage, share, first, tokens)
-    flops = tokens * _flops(spec, stage, share, first, tokens / 2)
+    nbytes = read_bytes(spec, stage, share, head, tokens)
+    flops = tokens * _flops(spec, stage, share, head, tokens / 2)
     return nbytes / node.mem_bw_Bps, flops / node.flops
 
 

@@ -17,6 +17,7 @@ from thunderpool.planner.cost import (
     NodeSpec,
     Prediction,
     Stage,
+    head_share,
     kv_bytes,
     link_between,
     predict,
@@ -150,7 +151,7 @@ def memory_use(
             # Activations: a prefill chunk's hidden/MLP/attention tensors in fp32, plus logits.
             act = chunk * 4 * (4 * spec.hidden + 2 * spec.intermediate * share.mlp)
             act += needs.concurrency * spec.vocab * 4 if k == 0 else 0
-            total = weight_bytes(spec, stage, share, k == 0)
+            total = weight_bytes(spec, stage, share, head_share(stages, k, share))
             total += kv_bytes(spec, stage, share, tokens, needs.kv_dtype_bytes)
             used[share.node] = int(total + act) + node.os_reserve_bytes
     return used
