@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from procs import listening, workers_under
 
 CLIENTS, ROUNDS, MAX_TOKENS = 32, 4, 12
 PROMPTS = [f"Question {i}: what comes after {i * 7}?" for i in range(CLIENTS)]
@@ -29,34 +30,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def ranks_of(pid: int) -> set[int]:
-    """Rank processes whose parent is `pid`."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes()
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid and b"thunderpool.engine.worker" in cmd:
-            found.add(int(entry.name))
-    return found
-
-
-def listening() -> set[int]:
-    """Every TCP port some process on this host listens on (closed connections in TIME_WAIT
-    still block a plain bind, so a bind is not the test)."""
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            f = line.split()
-            if f[3] == "0A":  # LISTEN
-                ports.add(int(f[1].rsplit(":", 1)[1], 16))
-    return ports
 
 
 def wait_until(pred, timeout: float, interval: float = 0.2) -> bool:
@@ -171,7 +144,7 @@ def test_32_streaming_clients_get_exactly_their_answers_alone(server, alone):
 
 
 def test_a_killed_local_rank_is_restarted_and_serves_the_same_text(server, alone):
-    ranks = ranks_of(server.proc.pid)
+    ranks = workers_under(server.proc.pid)
     assert len(ranks) == 2
     generation = httpx.get(f"{server.url}/v1/cluster", timeout=5).json()["instance"]["generation"]
     os.kill(max(ranks), signal.SIGKILL)
@@ -179,15 +152,15 @@ def test_a_killed_local_rank_is_restarted_and_serves_the_same_text(server, alone
     assert wait_until(server.ready, timeout=120), server.log.read_text()
     info = httpx.get(f"{server.url}/v1/cluster", timeout=5).json()["instance"]
     assert info["generation"] == generation + 1
-    assert not (ranks & ranks_of(server.proc.pid))  # the old ranks are gone, both of them
+    assert not (ranks & workers_under(server.proc.pid))  # the old ranks are gone, both of them
     prompt = PROMPTS[3]
     assert server.complete(prompt)["choices"][0]["text"] == alone[prompt]["choices"][0]["text"]
 
 
 def test_ctrl_c_stops_every_rank_and_frees_the_ports(server):
-    ranks = ranks_of(server.proc.pid)
+    ranks = workers_under(server.proc.pid)
     assert len(ranks) == 2
-    rank_ports = set().union(*(_listening_ports(pid) for pid in ranks))
+    rank_ports = set().union(*(listening(pid) for pid in ranks))
     assert rank_ports  # the engine link and the ring
     start = time.monotonic()
     server.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
@@ -196,21 +169,3 @@ def test_ctrl_c_stops_every_rank_and_frees_the_ports(server):
     print(f"serve stopped {took:.1f} s after Ctrl-C")
     assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
     assert not ({server.port} | rank_ports) & listening()
-
-
-def _listening_ports(pid: int) -> set[int]:
-    """TCP ports a process listens on (from /proc/net/tcp and its socket inodes)."""
-    try:
-        inodes = {
-            os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1]
-            for fd in os.listdir(f"/proc/{pid}/fd")
-            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
-        }
-    except OSError:
-        return set()
-    ports = set()
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        f = line.split()
-        if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
-            ports.add(int(f[1].split(":")[1], 16))
-    return ports

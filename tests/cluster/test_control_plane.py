@@ -180,3 +180,26 @@ def test_agent_never_unpickles_a_body(agent_client):
     assert UNPICKLED == [] and list(agent.state.nodes) == ["a"]
     pickle.loads(payload)  # the canary works: this is what the agent never did
     assert UNPICKLED == ["unpickled"]
+
+
+def test_node_specs_carry_the_calibrated_fixed_costs():
+    """Live plans pay the simulator's per-matmul cost (by chip) and per-collective cost (by
+    link kind), as presets.toml states them, not zero."""
+    from thunderpool.cluster.coordinator import node_specs
+    from thunderpool.planner.presets import presets
+
+    cal = presets()["calibration"]
+    ultra = node("b", "10.0.0.2").model_copy(update={"chip": "Apple M3 Ultra"})
+    s = apply(ClusterState(), Hello(node=node("a", "10.0.0.1"), contact="10.0.0.1:7070"))
+    s = apply(s, Hello(node=ultra, contact="10.0.0.2:7070"))
+    s = apply(s, link("a", "b", 0.002))
+    nodes, links = node_specs(s)
+    by_name = {n.name: n.op_latency_s for n in nodes}
+    assert by_name == pytest.approx(
+        {"a": cal["op_latency_us"]["cpu"] * 1e-6, "b": cal["op_latency_us"]["m3-ultra"] * 1e-6}
+    )
+    assert links[0].overhead_s == pytest.approx(cal["collective_overhead_us"]["tcp"] * 1e-6)
+    rdma = apply(s, link("a", "b", 1e-5).model_copy(update={"link": "rdma"}))
+    assert node_specs(rdma)[1][0].overhead_s == pytest.approx(
+        cal["collective_overhead_us"]["rdma"] * 1e-6
+    )

@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 from conftest import run_trace, tiny_prompts
-from testbed import Testbed, available, wait_until
+from testbed import AGENT_PORT as PORT
+from testbed import Testbed, available, node_cmd, wait_until
 
 from thunderpool.cluster.client import AgentError
 from thunderpool.cluster.coordinator import ClusterInstance, Coordinator, node_specs
@@ -22,25 +23,6 @@ from thunderpool.planner.spec import model_spec
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
 TOKEN = "testbed-token-123"
-PORT = 7070
-
-
-def node_cmd(bed: Testbed, i: int, tmp, *extra: str) -> list[str]:
-    return [
-        "env",
-        f"THUNDERPOOL_HOME={tmp}/home{i}",
-        sys.executable,
-        "-m",
-        "thunderpool",
-        "node",
-        "--host",
-        bed.host(i).ip,
-        "--port",
-        str(PORT),
-        "--no-mdns",
-        "--no-measure",
-        *extra,
-    ]
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import listening, workers_under
 
 from thunderpool.cluster.client import AgentError
 from thunderpool.cluster.coordinator import ClusterInstance, Coordinator
@@ -31,30 +32,6 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free pair of ports")
-
-
-def listening() -> set[int]:
-    ports = set()
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        f = line.split()
-        if f[3] == "0A":  # LISTEN
-            ports.add(int(f[1].rsplit(":", 1)[1], 16))
-    return ports
-
-
-def workers_under(pid: int) -> set[int]:
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes()
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid and b"thunderpool.engine.worker" in cmd:
-            found.add(int(entry.name))
-    return found
 
 
 @pytest.mark.slow

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from testbed import Testbed, available, wait_until
+from testbed import AGENT_PORT as PORT
+from testbed import Testbed, available, node_cmd, wait_until
 
 from thunderpool.cluster.client import AgentError
 from thunderpool.cluster.coordinator import Coordinator
@@ -33,31 +34,10 @@ pytestmark = [
 ]
 
 TOKEN = "recovery-token-123"
-PORT = 7070
 API_PORT = 18431
 URL = f"http://127.0.0.1:{API_PORT}"
 LONG = "Tell me a very long story about the sea."
 SHORT = "Name three colors."
-
-
-def node_cmd(bed: Testbed, i: int, home: Path, *extra: str) -> list[str]:
-    return [
-        "env",
-        f"THUNDERPOOL_HOME={home}/home{i}",
-        sys.executable,
-        "-m",
-        "thunderpool",
-        "node",
-        "--host",
-        bed.host(i).ip,
-        "--port",
-        str(PORT),
-        "--no-mdns",
-        "--no-measure",
-        "--token",
-        TOKEN,
-        *extra,
-    ]
 
 
 def workers(bed: Testbed, i: int) -> set[int]:
@@ -106,12 +86,16 @@ def served(tmp_path_factory, tiny_chat):
     home = tmp_path_factory.mktemp("recovery")
     with Testbed(3) as bed:
         first = f"{bed.host(1).ip}:{PORT}"
-        agents = {1: bed.popen(1, node_cmd(bed, 1, home), stderr=subprocess.DEVNULL)}
+        agents = {
+            1: bed.popen(1, node_cmd(bed, 1, home, "--token", TOKEN), stderr=subprocess.DEVNULL)
+        }
         coord = Coordinator([first], TOKEN)
         assert wait_until(lambda: _known(coord) == 1, timeout=60, interval=0.5)
         for i in (2, 3):
             agents[i] = bed.popen(
-                i, node_cmd(bed, i, home, "--join", first), stderr=subprocess.DEVNULL
+                i,
+                node_cmd(bed, i, home, "--token", TOKEN, "--join", first),
+                stderr=subprocess.DEVNULL,
             )
         assert wait_until(lambda: _known(coord) == 3, timeout=60, interval=0.5)
         log = open(home / "serve.log", "w")  # noqa: SIM115 - closed at teardown
@@ -271,7 +255,7 @@ def test_a_node_that_comes_back_rejoins_and_a_replan_uses_it(served):
     back = LOST[0]
     seed = next(f"{bed.host(i).ip}:{PORT}" for i in (1, 2, 3) if i != back)
     agents[back] = bed.popen(
-        back, node_cmd(bed, back, home, "--join", seed), stderr=subprocess.DEVNULL
+        back, node_cmd(bed, back, home, "--token", TOKEN, "--join", seed), stderr=subprocess.DEVNULL
     )
     lost_ip = bed.host(back).ip
 

@@ -294,3 +294,26 @@ def wait_until(pred, timeout: float = 10.0, interval: float = 0.05) -> bool:
     while not (ok := pred()) and time.monotonic() < deadline:
         time.sleep(interval)
     return bool(ok)
+
+
+AGENT_PORT = 7070
+
+
+def node_cmd(bed: Testbed, i: int, home: Path, *extra: str) -> list[str]:
+    """`thunderpool node` for host i on AGENT_PORT, its state under home/home{i}, without mDNS
+    or measuring (the namespaces share one machine); `extra` adds --token, --join, ..."""
+    return [
+        "env",
+        f"THUNDERPOOL_HOME={home}/home{i}",
+        sys.executable,
+        "-m",
+        "thunderpool",
+        "node",
+        "--host",
+        bed.host(i).ip,
+        "--port",
+        str(AGENT_PORT),
+        "--no-mdns",
+        "--no-measure",
+        *extra,
+    ]

@@ -13,6 +13,7 @@ import platform
 import re
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -266,12 +267,40 @@ def _gemv_rate(start_at: float, seconds: float, nbytes: int = 64 * 2**20) -> flo
     return n * w.nbytes / (time.perf_counter() - t0)
 
 
+def rank_env(**extra: str) -> dict[str, str]:
+    """The environment rank processes run in (the fast BLAS on Linux, cluster/blas.py): the
+    agent itself runs MLX's bundled BLAS, 2-3x slower on GEMV, which would mislead the planner."""
+    from thunderpool.cluster.blas import fast_blas_env
+
+    return {**os.environ, **fast_blas_env(), **extra}
+
+
+def measure_rank_speed(nbytes: int) -> tuple[float, float]:
+    """(GEMV bytes/s, matmul FLOP/s) measured in a child with the ranks' environment; in this
+    process if the child fails."""
+    code = (
+        "import sys; from thunderpool.cluster import capabilities as c; "
+        "print(c.measure_memory_bandwidth(int(sys.argv[1])), c.measure_matmul_flops())"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(nbytes)],
+            env=rank_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        bw, flops = (float(x) for x in done.stdout.split())
+        return bw, flops
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return measure_memory_bandwidth(nbytes), measure_matmul_flops()
+
+
 def measure_host_bandwidth(procs: int, seconds: float = 0.6) -> float:
     """Aggregate GEMV bandwidth with `procs` processes streaming at once: what co-located
-    ranks share (on many machines one core cannot saturate the memory bus, or all can)."""
-    import subprocess
-    import sys
-
+    ranks share (on many machines one core cannot saturate the memory bus, or all can). Each
+    runs one BLAS thread, as a rank pinned to one core does."""
     start = time.time() + 3.0  # time for every process to import MLX and warm up
     code = (
         "import sys; from thunderpool.cluster.capabilities import _gemv_rate; "
@@ -283,6 +312,7 @@ def measure_host_bandwidth(procs: int, seconds: float = 0.6) -> float:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
+            env=rank_env(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1"),
         )
         for _ in range(procs)
     ]
@@ -361,6 +391,7 @@ def node_info(
             _output(run, "ip", "-j", "addr") or "[]", root / "sys/class/net"
         )
     rdma = macos is not None and macos >= RDMA_MIN_MACOS and rdma_enabled
+    mem_bw, flops = measure_rank_speed(_copy_size(available)) if measure else (0.0, 0.0)
     has_mpirun = run(("mpirun", "--version"))[0] == 0
     return NodeInfo(
         node_id=node_id,
@@ -374,10 +405,10 @@ def node_info(
         cpu_count=os.cpu_count() or 1,
         memory_total_bytes=total,
         memory_available_bytes=available,
-        mem_bw_Bps=measure_memory_bandwidth(_copy_size(available)) if measure else 0.0,
+        mem_bw_Bps=mem_bw,
         host_mem_bw_Bps=measure_host_bandwidth(os.cpu_count() or 1) if measure else 0.0,
         host_id=host_id(system == "Darwin", run, root),
-        flops=measure_matmul_flops() if measure else 0.0,
+        flops=flops,
         backends=backends(macos, rdma, has_mpirun),
         rdma=rdma,
         interfaces=interfaces,

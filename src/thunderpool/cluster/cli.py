@@ -118,31 +118,12 @@ def ranked_plans(args: argparse.Namespace, state: ClusterState):
 
 def plan_main(args: argparse.Namespace) -> int:
     from thunderpool.planner.placement import explain
+    from thunderpool.planner.simulate import plan_table
 
     state = measured_state(coordinator(args))
     plans = ranked_plans(args, state)
     names = {k: n.name for k, n in state.nodes.items()}
-    table = Table(
-        "#",
-        "kind",
-        "nodes",
-        "decode tok/s",
-        "prefill tok/s",
-        "TTFT",
-        "free memory per node",
-        title="plans, fastest decode first",
-    )
-    for i, p in enumerate(plans[: args.top], 1):
-        free = ", ".join(f"{names[n]} {p.memory_free[n] / GB:.1f} GB" for n in p.nodes)
-        table.add_row(
-            str(i),
-            p.kind,
-            " > ".join(names[n] for n in p.nodes),
-            f"{p.prediction.decode_tps:.1f}",
-            f"{p.prediction.prefill_tps:.0f}",
-            f"{p.prediction.ttft_s * 1e3:.0f} ms",
-            free,
-        )
+    table = plan_table(plans[: args.top], names)
     console = Console()
     console.print(table)
     console.print(_named(explain(plans), state))

@@ -31,6 +31,7 @@ from thunderpool.engine.job import RankJob
 from thunderpool.errors import LaunchError, ThunderpoolError
 from thunderpool.planner.cost import LinkSpec, NodeSpec
 from thunderpool.planner.placement import Plan
+from thunderpool.planner.presets import live_collective_overhead_s, live_op_latency_s
 
 RING_PORT_BASE = 29500
 # An agent that does not answer within this is lost: the loss is seen within ~2.5 s.
@@ -110,7 +111,11 @@ class Coordinator:
 
 
 def node_specs(state: ClusterState) -> tuple[list[NodeSpec], list[LinkSpec]]:
-    """The planner's view: nodes by id, links with one-way latency (half the measured RTT)."""
+    """The planner's view: nodes by id, links with one-way latency (half the measured RTT).
+
+    Measured bandwidths and latencies miss two fixed costs a decode step pays, which come from
+    the simulator's calibration instead: per weight matmul (by chip) and per collective (by
+    link kind)."""
     nodes = [
         NodeSpec(
             name=n.node_id,
@@ -121,6 +126,7 @@ def node_specs(state: ClusterState) -> tuple[list[NodeSpec], list[LinkSpec]]:
             host=n.host_id,
             cores=n.cpu_count,
             host_mem_bw_Bps=n.host_mem_bw_Bps,
+            op_latency_s=live_op_latency_s(n.chip),
         )
         for n in state.nodes.values()
     ]
@@ -131,6 +137,7 @@ def node_specs(state: ClusterState) -> tuple[list[NodeSpec], list[LinkSpec]]:
             latency_s=max(link.rtt_s / 2, 1e-7),
             bandwidth_Bps=max(link.bandwidth_Bps, 1e6),
             kind=link.link if link.link != "other" else "ethernet",
+            overhead_s=live_collective_overhead_s(link.link),
         )
         for link in state.links.values()
     ]

@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +48,60 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def watch(
+    lines: queue.Queue,
+    *,
+    open_streams: int,
+    running: Callable[[], bool],
+    check: Callable[[], None],
+    on_stderr: Callable[[int | None, str], None],
+    kill: Callable[[], None],
+    timeout: float | None,
+    ranks: int,
+    interrupted: threading.Event | None = None,
+) -> Iterator[RankEvent]:
+    """The launchers' watch loop over (rank, "out" | "err", line, or None at a stream's end).
+
+    Yields rank events while a stream is open or `running()`; `check()` raises on a failed
+    exit; `timeout` seconds without a line kill every rank (None: a serving instance may
+    rightly be silent for hours, so only exits end it). An `interrupted` event returns early.
+    """
+    limit = timeout if timeout is not None else float("inf")
+    deadline = time.monotonic() + limit
+    while open_streams or running():
+        if interrupted is not None and interrupted.is_set():
+            return
+        check()
+        if time.monotonic() > deadline:
+            kill()
+            raise LaunchError(
+                f"no progress from the ranks for {timeout:.0f}s; stopped all {ranks} ranks "
+                "(raise --timeout for very large models)"
+            )
+        try:
+            rank, name, line = lines.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if line is None:
+            open_streams -= 1
+            continue
+        deadline = time.monotonic() + limit
+        if name == "err":
+            on_stderr(rank, line)
+        elif line.startswith(EVENT_PREFIX):
+            yield RankEvent(rank, json.loads(line[len(EVENT_PREFIX) :]))
+    check()
+
+
+def drain(lines: queue.Queue, on_stderr: Callable[[int | None, str], None]) -> None:
+    """Hand every stderr line already queued to `on_stderr` (a failed rank's last words)."""
+    with contextlib.suppress(queue.Empty):
+        while True:
+            rank, name, line = lines.get_nowait()
+            if name == "err" and line is not None:
+                on_stderr(rank, line)
 
 
 def _child_setup(cpu: int | None) -> None:
@@ -138,53 +192,33 @@ class LocalInstance:
 
     def events(self) -> Iterator[RankEvent]:
         """Yields each rank's events until all ranks exit 0; raises LaunchError otherwise."""
-        open_streams = 2 * len(self.procs)
-        # A serving instance may rightly be silent for hours: timeout=None waits on exits only.
-        limit = self.timeout if self.timeout is not None else float("inf")
-        deadline = time.monotonic() + limit
-        while open_streams or any(p.poll() is None for p in self.procs):
-            if self._interrupted.is_set():
-                return
-            self._check_exits()
-            if time.monotonic() > deadline:
-                self.kill()
-                raise LaunchError(
-                    f"no progress from the ranks for {self.timeout:.0f}s; stopped all "
-                    f"{len(self.procs)} ranks (raise --timeout for very large models)"
-                )
-            try:
-                rank, name, line = self.lines.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if line is None:
-                open_streams -= 1
-                continue
-            deadline = time.monotonic() + limit
-            if name == "err":
-                self.stderr_tail[rank].append(line)
-                if self.env.get("THUNDERPOOL_ECHO_STDERR"):
-                    print(f"[rank {rank}] {line}", file=sys.stderr)
-            elif line.startswith(EVENT_PREFIX):
-                yield RankEvent(rank, json.loads(line[len(EVENT_PREFIX) :]))
-        self._check_exits()
+        yield from watch(
+            self.lines,
+            open_streams=2 * len(self.procs),
+            running=lambda: any(p.poll() is None for p in self.procs),
+            check=self._check_exits,
+            on_stderr=self._on_stderr,
+            kill=self.kill,
+            timeout=self.timeout,
+            ranks=len(self.procs),
+            interrupted=self._interrupted,
+        )
+
+    def _on_stderr(self, rank: int, line: str) -> None:
+        self.stderr_tail[rank].append(line)
+        if self.env.get("THUNDERPOOL_ECHO_STDERR"):
+            print(f"[rank {rank}] {line}", file=sys.stderr)
 
     def _check_exits(self) -> None:
         failed = [(r, p.poll()) for r, p in enumerate(self.procs) if p.poll() not in (None, 0)]
         if not failed:
             return
         time.sleep(0.2)  # let the stderr pumps catch the ranks' last words
-        self._drain()
+        drain(self.lines, lambda rank, line: self.stderr_tail[rank].append(line))
         self.kill()
         # A rank killed by a signal is the cause; its peers then fail on the broken link.
         rank, code = min(failed, key=lambda rc: (rc[1] >= 0, rc[0]))
         raise LaunchError(self._describe_failure(rank, code))
-
-    def _drain(self) -> None:
-        with contextlib.suppress(queue.Empty):
-            while True:
-                rank, name, line = self.lines.get_nowait()
-                if name == "err" and line is not None:
-                    self.stderr_tail[rank].append(line)
 
     def _describe_failure(self, rank: int, code: int) -> str:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"

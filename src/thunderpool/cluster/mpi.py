@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import json
 import os
 import queue
 import signal
@@ -28,9 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from thunderpool.cluster.blas import fast_blas_env
-from thunderpool.cluster.launch import RankEvent, one_core_env
+from thunderpool.cluster.launch import RankEvent, drain, one_core_env, watch
 from thunderpool.engine.job import RankJob
-from thunderpool.engine.worker import EVENT_PREFIX
 from thunderpool.errors import LaunchError
 
 # Run by mpirun for each rank: die with mpirun (it would leave ranks spinning in a collective
@@ -164,6 +162,12 @@ class MpiInstance:
         self.stderr_tail: list[deque[str]] = [deque(maxlen=20) for _ in range(n + 1)]
         self.lines: queue.Queue = queue.Queue()
         self.tmp = tempfile.TemporaryDirectory(prefix="thunderpool-mpi-")
+        self.leader_host = "127.0.0.1"
+        self._interrupted = threading.Event()
+
+    def interrupt(self) -> None:
+        """Make `events()` return at its next check (the caller then kills or replaces us)."""
+        self._interrupted.set()
 
     def __enter__(self) -> MpiInstance:
         self.start()
@@ -215,30 +219,17 @@ class MpiInstance:
     def events(self) -> Iterator[RankEvent]:
         """Yields each rank's events until mpirun exits 0; raises LaunchError otherwise."""
         assert self.proc is not None, "start() first"
-        open_streams = 2 + 2 * self.job.world_size
-        limit = self.timeout if self.timeout is not None else float("inf")
-        deadline = time.monotonic() + limit
-        while open_streams or self.proc.poll() is None:
-            self._check_exit()
-            if time.monotonic() > deadline:
-                self.kill()
-                raise LaunchError(
-                    f"no progress from the ranks for {self.timeout:.0f}s; stopped all "
-                    f"{self.job.world_size} ranks (raise --timeout for very large models)"
-                )
-            try:
-                rank, name, line = self.lines.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if line is None:
-                open_streams -= 1
-                continue
-            deadline = time.monotonic() + limit
-            if name == "err":
-                self._tail(rank).append(line)
-            elif line.startswith(EVENT_PREFIX):
-                yield RankEvent(rank, json.loads(line[len(EVENT_PREFIX) :]))
-        self._check_exit()
+        yield from watch(
+            self.lines,
+            open_streams=2 + 2 * self.job.world_size,
+            running=lambda: self.proc.poll() is None,
+            check=self._check_exit,
+            on_stderr=lambda rank, line: self._tail(rank).append(line),
+            kill=self.kill,
+            timeout=self.timeout,
+            ranks=self.job.world_size,
+            interrupted=self._interrupted,
+        )
 
     def _tail(self, rank: int | None) -> deque[str]:
         return self.stderr_tail[self.job.world_size if rank is None else rank]
@@ -248,11 +239,7 @@ class MpiInstance:
         if code in (None, 0):
             return
         time.sleep(0.3)  # let the tails catch the ranks' last words
-        with contextlib.suppress(queue.Empty):
-            while True:
-                rank, name, line = self.lines.get_nowait()
-                if name == "err" and line is not None:
-                    self._tail(rank).append(line)
+        drain(self.lines, lambda rank, line: self._tail(rank).append(line))
         self.kill()
         raise LaunchError(self._describe_failure(code))
 

@@ -104,6 +104,21 @@ class Cluster:
         return who + (f" over {', '.join(kinds)}" if kinds else "")
 
 
+def live_op_latency_s(chip: str) -> float:
+    """The calibrated per-matmul cost for a measured node, by its chip: an Apple Ultra, another
+    Apple chip (the M4 fit), else MLX's CPU backend."""
+    chip = chip.lower()
+    family = "cpu" if "apple" not in chip else "m3-ultra" if "ultra" in chip else "m4"
+    return presets()["calibration"]["op_latency_us"][family] * 1e-6
+
+
+def live_collective_overhead_s(kind: str) -> float:
+    """The calibrated fixed cost of one collective over a measured link: jaccl's over RDMA,
+    else MLX ring's over TCP (loopback included)."""
+    transport = "rdma" if kind == "rdma" else "tcp"
+    return presets()["calibration"]["collective_overhead_us"][transport] * 1e-6
+
+
 def parse_cluster(text: str) -> Cluster:
     """A cluster from a preset expression or from the path of a TOML/JSON cluster file."""
     path = Path(text)

@@ -226,7 +226,10 @@ def distinct(plans: list[Plan], cluster: Cluster) -> list[Plan]:
     return out
 
 
-def plan_table(plans: list[Plan]) -> Table:
+def plan_table(plans: list[Plan], names: dict[str, str] | None = None) -> Table:
+    """Plans, fastest decode first: stages joined by ">", a TP stage's nodes by ","; `names`
+    shows a live cluster's node ids by host name."""
+    names = names or {}
     table = Table(
         "#",
         "kind",
@@ -238,15 +241,16 @@ def plan_table(plans: list[Plan]) -> Table:
         title="plans, fastest decode first",
     )
     for i, p in enumerate(plans, 1):
-        free = ", ".join(f"{n} {p.memory_free[n] / GB:.0f} GB" for n in p.nodes)
+        free = ", ".join(f"{names.get(n, n)} {p.memory_free[n] / GB:.1f} GB" for n in p.nodes)
         split = f" ({'+'.join(map(str, p.layer_split))})" if p.layer_split else ""
+        ttft = p.prediction.ttft_s
         table.add_row(
             str(i),
             p.kind + split,
-            " > ".join(", ".join(s.nodes) for s in p.stages),
+            " > ".join(", ".join(names.get(n, n) for n in s.nodes) for s in p.stages),
             f"{p.prediction.decode_tps:.1f}",
             f"{p.prediction.prefill_tps:.0f}",
-            f"{p.prediction.ttft_s:.2f} s",
+            f"{ttft * 1e3:.0f} ms" if ttft < 1 else f"{ttft:.2f} s",
             free,
         )
     return table
