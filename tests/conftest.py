@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import mlx.core as mx
@@ -10,6 +11,11 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
+
+# Started in the background of a non-interactive shell (`pytest &`), pytest inherits SIGINT
+# ignored and so would every process it starts; the Ctrl-C tests need it delivered.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 BASE = {
     "hidden_size": 64,
