@@ -6,10 +6,14 @@ import contextlib
 import os
 from pathlib import Path
 
+# A rank's command line (`python -m thunderpool.engine.worker JOB`); mpirun's own mentions the
+# module too, inside the boot script it runs.
+RANK = b"\x00-m\x00thunderpool.engine.worker\x00"
 
-def workers_under(pid: int) -> set[int]:
-    """Rank processes (thunderpool.engine.worker) whose parent is `pid`."""
-    found = set()
+
+def _processes() -> dict[int, tuple[int, bytes]]:
+    """pid -> (parent pid, command line) of every process."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -18,9 +22,27 @@ def workers_under(pid: int) -> set[int]:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == pid and b"thunderpool.engine.worker" in cmd:
-            found.add(int(entry.name))
+        found[int(entry.name)] = (ppid, cmd)
     return found
+
+
+def workers_under(pid: int, deep: bool = False) -> set[int]:
+    """Rank processes (thunderpool.engine.worker) whose parent is `pid`, or with `deep` any
+    ancestor (ranks under mpirun are its grandchildren)."""
+    procs = _processes()
+
+    def below(p: int) -> bool:
+        seen = set()
+        while p in procs and p not in seen:
+            seen.add(p)
+            p = procs[p][0]
+            if p == pid:
+                return True
+            if not deep:
+                return False
+        return False
+
+    return {p for p, (_, cmd) in procs.items() if RANK in cmd and below(p)}
 
 
 def listening(pid: int | None = None) -> set[int]:

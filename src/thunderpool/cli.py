@@ -75,6 +75,13 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-split", type=_ints, help="PP: per-rank layer weights, e.g. 20,10")
     p.add_argument("--tp-weights", type=_floats, help="TP: per-rank head shares, e.g. 2,1")
     p.add_argument(
+        "--backend",
+        choices=("ring", "mpi"),
+        default="ring",
+        help="collectives between local ranks: MLX ring over loopback (default) or MPI shared "
+        "memory under Open MPI's mpirun, faster on one host (not with --cluster)",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
         default=600.0,

@@ -19,10 +19,11 @@ def _mib(n: int | float) -> str:
 
 def _instance(args: argparse.Namespace, make_job, timeout: float | None):
     """Local ranks on this host, or the planned ranks across the cluster (--cluster)."""
-    from thunderpool.cluster.launch import LocalInstance
+    from thunderpool.cluster.mpi import check_backend, local_instance
     from thunderpool.engine.loader import Layout, preflight
     from thunderpool.models.source import resolve_model
 
+    check_backend(args)
     if args.cluster:
         from thunderpool.cluster.cli import cluster_instance
 
@@ -35,7 +36,8 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
         {"parallel": parallel, "tp_weights": args.tp_weights, "layer_split": args.layer_split},
         str(model_dir),
     )
-    return LocalInstance(job, timeout=timeout), model_dir.name
+    job = job.model_copy(update={"backend": args.backend})
+    return local_instance(job, timeout=timeout), model_dir.name
 
 
 def generate(args: argparse.Namespace) -> int:

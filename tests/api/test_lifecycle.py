@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -40,13 +41,14 @@ def wait_until(pred, timeout: float, interval: float = 0.2) -> bool:
 
 
 class Server:
-    def __init__(self, model: Path, log: Path):
+    def __init__(self, model: Path, log: Path, *extra: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "thunderpool", "serve", "--model", str(model)]
-            + ["--nodes", "2", "--parallel", "tp", "--port", str(self.port), "--max-batch", "8"],
+            + ["--nodes", "2", "--parallel", "tp", "--port", str(self.port), "--max-batch", "8"]
+            + list(extra),
             stdout=subprocess.DEVNULL,
             stderr=log.open("w"),
             start_new_session=True,
@@ -169,3 +171,24 @@ def test_ctrl_c_stops_every_rank_and_frees_the_ports(server):
     print(f"serve stopped {took:.1f} s after Ctrl-C")
     assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
     assert not ({server.port} | rank_ports) & listening()
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (openmpi-bin)")
+def test_serve_with_mpi_ranks_answers_the_same_and_stops_them_all(tmp_path, tiny_chat, alone):
+    """`--backend mpi`: the ranks run under mpirun (MPI collectives); same greedy answers as
+    the ring instance, and Ctrl-C still ends mpirun and every rank."""
+    srv = Server(tiny_chat, tmp_path / "serve.log", "--backend", "mpi")
+    try:
+        assert wait_until(srv.ready, timeout=180), srv.log.read_text()
+        for prompt in PROMPTS[:4]:
+            got = srv.complete(prompt)["choices"][0]["text"]
+            assert got == alone[prompt]["choices"][0]["text"]
+        ranks = workers_under(srv.proc.pid, deep=True)
+        assert len(ranks) == 2 and not workers_under(srv.proc.pid)  # grandchildren: mpirun's
+        srv.proc.send_signal(signal.SIGINT)
+        srv.proc.wait(timeout=30)
+        assert wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in ranks), 10)
+    finally:
+        if srv.proc.poll() is None:
+            os.killpg(srv.proc.pid, signal.SIGKILL)
+            srv.proc.wait()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -48,6 +49,20 @@ def test_two_ranks_stream_the_same_text(parallel, single):
     # Both ranks report their memory.
     rows = [ln for ln in proc.stderr.splitlines() if ln.startswith("│ 0") or ln.startswith("│ 1")]
     assert len(rows) == 2
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (openmpi-bin)")
+def test_two_ranks_under_mpi_stream_the_same_text(single):
+    proc = generate("--nodes", "2", "--backend", "mpi")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == single.stdout
+
+
+def test_mpi_backend_with_cluster_is_refused():
+    proc = generate("--cluster", "--backend", "mpi")
+    assert proc.returncode != 0
+    assert "--backend mpi is for ranks on this host" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_stop_string_cuts_the_answer(single):

@@ -47,13 +47,11 @@ def bench_parallel(
         backend="mpi" if backend == "mpi" and nodes > 1 else "ring",
         tp_weights=tp_weights if parallel == "tp" and nodes > 1 else None,
     )
-    if job.backend == "mpi":
-        from thunderpool.cluster.mpi import MpiInstance as Instance
-    else:
-        from thunderpool.cluster.launch import LocalInstance as Instance
+    from thunderpool.cluster.mpi import local_instance
+
     bench: dict | None = None
     ranks: dict[int, dict] = {r: {"rank": r} for r in range(nodes)}
-    with Instance(job, timeout=timeout, pin=pin) as instance:
+    with local_instance(job, timeout=timeout, pin=pin) as instance:
         for ev in instance.events():
             fields = {k: v for k, v in ev.event.items() if k != "kind"}
             match ev.event.get("kind"):

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from thunderpool.cluster.blas import fast_blas_env
-from thunderpool.cluster.launch import RankEvent, drain, one_core_env, watch
+from thunderpool.cluster.launch import LocalInstance, RankEvent, drain, one_core_env, watch
 from thunderpool.engine.job import RankJob
 from thunderpool.errors import LaunchError
 
@@ -61,6 +61,29 @@ def mpi_command(
     for name in env_names:
         cmd += ["-x", name]
     return cmd + argv
+
+
+def check_backend(args) -> None:
+    """`--backend mpi` starts local ranks under mpirun: refuse it with --cluster (the planner
+    picks jaccl or ring per link there) and say what to install before anything loads."""
+    if getattr(args, "backend", "ring") != "mpi":
+        return
+    if getattr(args, "cluster", False):
+        raise LaunchError(
+            "--backend mpi is for ranks on this host; with --cluster the coordinator uses "
+            "jaccl over RDMA or ring over TCP; drop --backend"
+        )
+    find_mpi()
+
+
+def local_instance(job: RankJob, **kwargs) -> LocalInstance | MpiInstance:
+    """The launcher for `job`'s ranks on this host: under mpirun for backend "mpi" (MPI's
+    shared-memory collectives: lower latency between co-located ranks), else MLX ring."""
+    if job.backend == "mpi" and job.world_size > 1:
+        return MpiInstance(job, **kwargs)
+    if job.backend == "mpi":
+        job = job.model_copy(update={"backend": "ring"})  # one rank: nothing to reduce
+    return LocalInstance(job, **kwargs)
 
 
 def find_mpi() -> tuple[str, str]:

@@ -35,6 +35,7 @@ def check_exposure(host: str, api_key: str | None, insecure: bool) -> None:
 def serve_main(args: argparse.Namespace, console: Console) -> int:
     from mlx_lm.utils import load_tokenizer
 
+    from thunderpool.cluster.mpi import check_backend
     from thunderpool.config import api_key_from_env
     from thunderpool.engine.loader import read_config
     from thunderpool.engine.service import EngineInfo
@@ -44,6 +45,7 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
 
     api_key = args.api_key or api_key_from_env()
     check_exposure(args.host, api_key, args.insecure)
+    check_backend(args)
     model_dir = resolve_model(args.model)
     config = read_config(model_dir)
     tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
@@ -70,7 +72,7 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
 
 
 def _local(args, model_dir: Path, name: str, max_context: int, token: str):
-    from thunderpool.cluster.launch import LocalInstance
+    from thunderpool.cluster.mpi import local_instance
     from thunderpool.config import LINK_TOKEN_ENV
     from thunderpool.engine.job import RankJob, ServeTask
     from thunderpool.engine.loader import Layout, preflight
@@ -85,10 +87,11 @@ def _local(args, model_dir: Path, name: str, max_context: int, token: str):
         layer_split=args.layer_split,
         prefill_chunk=args.prefill_chunk,
         task=ServeTask(model_name=name, max_batch=args.max_batch, max_context=max_context),
+        backend=args.backend,
     )
     # On one host a lost rank is restarted in the same layout; the token authenticates the
     # gateway to the leader and reaches the ranks through their environment only.
-    return lambda first: LocalInstance(job, timeout=None, env={LINK_TOKEN_ENV: token})
+    return lambda first: local_instance(job, timeout=None, env={LINK_TOKEN_ENV: token})
 
 
 def _cluster(args, name: str, max_context: int, console: Console):
