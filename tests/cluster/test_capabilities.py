@@ -146,3 +146,39 @@ def test_real_node_info_on_this_machine():
     assert info.mem_bw_Bps > 0 and info.flops > 0
     assert "ring" in info.backends
     assert all(i.kind != "loopback" and not i.address.startswith("127.") for i in info.interfaces)
+
+
+def test_agents_on_one_machine_measure_one_at_a_time(tmp_path):
+    """While one agent process holds the measurement lock, another waits for it."""
+    import subprocess
+    import sys
+    import threading
+
+    from thunderpool.cluster.capabilities import measuring_alone
+
+    lock = tmp_path / "measure.lock"
+    code = (
+        "import sys; from pathlib import Path; "
+        "from thunderpool.cluster.capabilities import measuring_alone\n"
+        f"with measuring_alone(Path({str(lock)!r})):\n"
+        "    print('held', flush=True); sys.stdin.readline()\n"
+    )
+    other = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert other.stdout.readline().strip() == "held"
+        got = threading.Event()
+
+        def measure():
+            with measuring_alone(lock):
+                got.set()
+
+        threading.Thread(target=measure, daemon=True).start()
+        assert not got.wait(0.5)  # blocked while the other process measures
+        other.stdin.write("done\n")
+        other.stdin.flush()
+        assert got.wait(10)
+    finally:
+        other.kill()
+        other.wait()

@@ -203,3 +203,33 @@ def test_node_specs_carry_the_calibrated_fixed_costs():
     assert node_specs(rdma)[1][0].overhead_s == pytest.approx(
         cal["collective_overhead_us"]["rdma"] * 1e-6
     )
+
+
+def test_join_waits_for_a_seed_that_is_not_up_yet_but_not_for_a_refusal():
+    """Nodes started together: the seed may still be measuring. A seed that does not answer
+    is retried until it does; a refusal ends the join at once."""
+    from thunderpool.cluster.agent import join_all
+    from thunderpool.cluster.client import AgentError, AgentUnreachable
+
+    class Joiner:
+        def __init__(self, failures):
+            self.failures, self.calls = list(failures), 0
+
+        def join(self, seed):
+            self.calls += 1
+            if self.failures:
+                raise self.failures.pop(0)
+            return [seed]
+
+    said = []
+    late = Joiner([AgentUnreachable("nothing listening")] * 2)
+    join_all(late, ["10.0.0.1:7070"], wait_s=30, say=said.append)
+    assert late.calls == 3 and said == ["waiting up to 30 s for 10.0.0.1:7070 to answer"]
+    refused = Joiner([AgentError("wrong version")])
+    with pytest.raises(AgentError, match="cannot join through 10.0.0.1:7070: wrong version"):
+        join_all(refused, ["10.0.0.1:7070"], wait_s=30, say=said.append)
+    assert refused.calls == 1
+    gone = Joiner([AgentUnreachable("nothing listening")] * 100)
+    with pytest.raises(AgentError, match="nothing listening"):
+        join_all(gone, ["10.0.0.1:7070"], wait_s=0, say=said.append)
+    assert gone.calls == 1

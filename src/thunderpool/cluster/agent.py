@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse
 from thunderpool import __version__
 from thunderpool.api.body import AGENT_LIMIT, BodyError, read_body
 from thunderpool.cluster.auth import AuthError, Identity, verify
-from thunderpool.cluster.client import AgentClient, AgentError
+from thunderpool.cluster.client import AgentClient, AgentError, AgentUnreachable
 from thunderpool.cluster.messages import (
     Hello,
     LinkMeasured,
@@ -158,10 +159,24 @@ def create_agent_app(agent: Agent) -> FastAPI:
     return app
 
 
-def join_all(agent: Agent, seeds: list[str]) -> None:
-    """Join through each seed; a refusal (wrong token, other version) is fatal."""
+JOIN_WAIT_S = 60.0  # nodes started together: a seed may still be measuring, not yet listening
+
+
+def join_all(agent: Agent, seeds: list[str], wait_s: float = JOIN_WAIT_S, say=print) -> None:
+    """Join through each seed; a refusal (wrong token, other version) is fatal at once, a
+    seed that does not answer is retried for `wait_s` seconds."""
     for seed in seeds:
-        try:
-            agent.join(seed)
-        except AgentError as e:
-            raise AgentError(f"cannot join through {seed}: {e}") from None
+        deadline, said = time.monotonic() + wait_s, False
+        while True:
+            try:
+                agent.join(seed)
+                break
+            except AgentUnreachable as e:
+                if time.monotonic() >= deadline:
+                    raise AgentError(f"cannot join through {seed}: {e}") from None
+                if not said:
+                    say(f"waiting up to {wait_s:.0f} s for {seed} to answer")
+                    said = True
+                time.sleep(1.0)
+            except AgentError as e:
+                raise AgentError(f"cannot join through {seed}: {e}") from None

@@ -6,6 +6,8 @@ macOS and Linux through a fake `run`. Nothing is cached and nothing is sent over
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -14,8 +16,9 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from thunderpool import __version__
@@ -355,6 +358,16 @@ def mlx_version() -> str:
 # ---- the report -----------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def measuring_alone(lock: Path | None = None) -> Iterator[None]:
+    """Hold this machine's measurement lock: agents sharing a machine (e.g. one per network
+    namespace) that measured at once would each see a fraction of it."""
+    lock = lock or Path(tempfile.gettempdir()) / "thunderpool-measure.lock"
+    with lock.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
 def node_info(
     port: int,
     node_id: str,
@@ -391,7 +404,11 @@ def node_info(
             _output(run, "ip", "-j", "addr") or "[]", root / "sys/class/net"
         )
     rdma = macos is not None and macos >= RDMA_MIN_MACOS and rdma_enabled
-    mem_bw, flops = measure_rank_speed(_copy_size(available)) if measure else (0.0, 0.0)
+    mem_bw, flops, host_bw = 0.0, 0.0, 0.0
+    if measure:
+        with measuring_alone():
+            mem_bw, flops = measure_rank_speed(_copy_size(available))
+            host_bw = measure_host_bandwidth(os.cpu_count() or 1)
     has_mpirun = run(("mpirun", "--version"))[0] == 0
     return NodeInfo(
         node_id=node_id,
@@ -406,7 +423,7 @@ def node_info(
         memory_total_bytes=total,
         memory_available_bytes=available,
         mem_bw_Bps=mem_bw,
-        host_mem_bw_Bps=measure_host_bandwidth(os.cpu_count() or 1) if measure else 0.0,
+        host_mem_bw_Bps=host_bw,
         host_id=host_id(system == "Darwin", run, root),
         flops=flops,
         backends=backends(macos, rdma, has_mpirun),

@@ -13,6 +13,10 @@ class AgentError(ThunderpoolError):
     """An agent refused a request or could not be reached."""
 
 
+class AgentUnreachable(AgentError):
+    """No answer at the transport level: nothing listening, no route, a timeout."""
+
+
 class AgentClient:
     def __init__(self, address: str, token: str, timeout: float = 30.0):
         self.address, self.token, self.timeout = address, token, timeout
@@ -28,7 +32,7 @@ class AgentClient:
                 method, url, content=data, headers=headers, timeout=timeout or self.timeout
             )
         except httpx.HTTPError as e:
-            raise AgentError(
+            raise AgentUnreachable(
                 f"cannot reach the agent at {self.address} ({e}); is "
                 "`thunderpool node` running there and the port open?"
             ) from None

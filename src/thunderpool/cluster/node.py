@@ -93,7 +93,7 @@ def node_main(args: argparse.Namespace) -> int:
                 err.print(f"error: cannot listen on {args.host}:{args.port}; pass another --port")
                 return 2
             thread.join(0.05)
-        join_all(agent, args.join)
+        join_all(agent, args.join, say=err.print)
         if not args.no_mdns:
             from thunderpool.cluster.discovery import Discovery
 
