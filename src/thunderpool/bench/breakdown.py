@@ -40,10 +40,22 @@ COLLECTIVES = ("all_sum", "all_gather", "all_max", "all_min", "sum_scatter", "se
 
 
 @contextlib.contextmanager
+def _replaced(fns: dict) -> Iterator[None]:
+    """mx.distributed's functions named in `fns` replaced inside the block, restored after."""
+    originals = {name: getattr(mx.distributed, name) for name in fns}
+    try:
+        for name, fn in fns.items():
+            setattr(mx.distributed, name, fn)
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(mx.distributed, name, fn)
+
+
+@contextlib.contextmanager
 def counting_collectives() -> Iterator[Counter]:
     """Counts every mx.distributed collective built inside the block, by name."""
     counts: Counter = Counter()
-    originals = {name: getattr(mx.distributed, name) for name in COLLECTIVES}
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -52,13 +64,8 @@ def counting_collectives() -> Iterator[Counter]:
 
         return wrapper
 
-    try:
-        for name, fn in originals.items():
-            setattr(mx.distributed, name, counted(name, fn))
+    with _replaced({n: counted(n, getattr(mx.distributed, n)) for n in COLLECTIVES}):
         yield counts
-    finally:
-        for name, fn in originals.items():
-            setattr(mx.distributed, name, fn)
 
 
 @contextlib.contextmanager
@@ -71,14 +78,8 @@ def solo_collectives() -> Iterator[None]:
         # Every rank's share of the split output head stands in for the others' (same shape).
         "all_gather": lambda x, *a, group=None, **k: mx.concatenate([x] * _size(group)),
     }
-    originals = {name: getattr(mx.distributed, name) for name in stand_ins}
-    try:
-        for name, fn in stand_ins.items():
-            setattr(mx.distributed, name, fn)
+    with _replaced(stand_ins):
         yield
-    finally:
-        for name, fn in originals.items():
-            setattr(mx.distributed, name, fn)
 
 
 def _size(group) -> int:

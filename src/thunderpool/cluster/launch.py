@@ -104,7 +104,7 @@ def drain(lines: queue.Queue, on_stderr: Callable[[int | None, str], None]) -> N
                 on_stderr(rank, line)
 
 
-def _child_setup(cpu: int | None) -> None:
+def child_setup(cpu: int | None) -> None:
     """Runs in the child before exec: die with the launcher, optionally pin to one core."""
     if sys.platform == "linux":
         with contextlib.suppress(OSError):
@@ -124,8 +124,41 @@ def _cpus() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-class LocalInstance:
-    """N ranks of one job on this host; a context manager whose `events()` streams their output."""
+class Launcher:
+    """What the launchers of this host's ranks share (LocalInstance, mpi.MpiInstance): a
+    context manager that starts the ranks and kills them all on exit; `events()` streams their
+    output and `interrupt()` makes it return. Subclasses define start, events and kill."""
+
+    leader_host = "127.0.0.1"
+
+    def __init__(
+        self, job: RankJob, timeout: float | None, pin: bool | None, env, tails: int, prefix: str
+    ):
+        self.job, self.timeout = job, timeout
+        n = job.world_size
+        # One rank keeps every core; several get one core each (they busy-poll in collectives).
+        self.pin = (1 < n <= len(_cpus())) if pin is None else pin
+        self.env = dict(env or {})
+        self.procs: list[subprocess.Popen] = []
+        self.stderr_tail: list[deque[str]] = [deque(maxlen=20) for _ in range(tails)]
+        self.lines: queue.Queue = queue.Queue()
+        self.tmp = tempfile.TemporaryDirectory(prefix=prefix)
+        self._interrupted = threading.Event()
+
+    def interrupt(self) -> None:
+        """Make `events()` return at its next check (the caller then kills or replaces us)."""
+        self._interrupted.set()
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+
+class LocalInstance(Launcher):
+    """N ranks of one job on this host, talking MLX ring over loopback."""
 
     def __init__(
         self,
@@ -135,30 +168,8 @@ class LocalInstance:
         pin: bool | None = None,
         env: dict[str, str] | None = None,
     ):
-        self.job, self.timeout = job, timeout
-        n = job.world_size
-        cpus = _cpus()
-        # One rank keeps every core; several get one core each (they busy-poll in collectives).
-        self.pin = (1 < n <= len(cpus)) if pin is None else pin
-        self.cpus = cpus
-        self.env = dict(env or {})
-        self.procs: list[subprocess.Popen] = []
-        self.stderr_tail: list[deque[str]] = [deque(maxlen=20) for _ in range(n)]
-        self.lines: queue.Queue = queue.Queue()
-        self.tmp = tempfile.TemporaryDirectory(prefix="thunderpool-")
-        self.leader_host = "127.0.0.1"
-        self._interrupted = threading.Event()
-
-    def interrupt(self) -> None:
-        """Make `events()` return at its next check (the caller then kills or replaces us)."""
-        self._interrupted.set()
-
-    def __enter__(self) -> LocalInstance:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.kill()
+        super().__init__(job, timeout, pin, env, job.world_size, "thunderpool-")
+        self.cpus = _cpus()
 
     def start(self) -> None:
         n, tmp = self.job.world_size, Path(self.tmp.name)
@@ -179,7 +190,7 @@ class LocalInstance:
                 stderr=subprocess.PIPE,
                 text=True,
                 start_new_session=True,
-                preexec_fn=lambda cpu=cpu: _child_setup(cpu),
+                preexec_fn=lambda cpu=cpu: child_setup(cpu),
             )
             self.procs.append(proc)
             for stream, name in ((proc.stdout, "out"), (proc.stderr, "err")):

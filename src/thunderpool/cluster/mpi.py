@@ -15,11 +15,9 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
-import queue
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import deque
@@ -27,7 +25,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from thunderpool.cluster.blas import fast_blas_env
-from thunderpool.cluster.launch import LocalInstance, RankEvent, drain, one_core_env, watch
+from thunderpool.cluster.launch import (
+    Launcher,
+    LocalInstance,
+    RankEvent,
+    child_setup,
+    drain,
+    one_core_env,
+    watch,
+)
 from thunderpool.engine.job import RankJob
 from thunderpool.errors import LaunchError
 
@@ -139,18 +145,6 @@ def tail_lines(path: Path, done, put) -> None:
             time.sleep(_POLL_S)
 
 
-def _cpus() -> list[int]:
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
-
-
-def _die_with_parent() -> None:
-    if sys.platform == "linux":
-        with contextlib.suppress(OSError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def session_pids(sid: int) -> list[int]:
     """Every live (not zombie) process of session `sid` (Linux /proc): mpirun and its ranks."""
     pids = []
@@ -163,7 +157,7 @@ def session_pids(sid: int) -> list[int]:
     return pids
 
 
-class MpiInstance:
+class MpiInstance(Launcher):
     """N ranks of one job on this host under mpirun; `events()` streams their output."""
 
     def __init__(
@@ -176,28 +170,9 @@ class MpiInstance:
     ):
         if job.backend != "mpi":
             raise LaunchError(f"MpiInstance runs backend 'mpi' jobs, not {job.backend!r}")
-        self.job, self.timeout = job, timeout
-        n = job.world_size
-        self.pin = (1 < n <= len(_cpus())) if pin is None else pin
-        self.env = dict(env or {})
+        # One stderr tail per rank, and one for mpirun itself.
+        super().__init__(job, timeout, pin, env, job.world_size + 1, "thunderpool-mpi-")
         self.proc: subprocess.Popen | None = None
-        self.procs: list[subprocess.Popen] = []
-        self.stderr_tail: list[deque[str]] = [deque(maxlen=20) for _ in range(n + 1)]
-        self.lines: queue.Queue = queue.Queue()
-        self.tmp = tempfile.TemporaryDirectory(prefix="thunderpool-mpi-")
-        self.leader_host = "127.0.0.1"
-        self._interrupted = threading.Event()
-
-    def interrupt(self) -> None:
-        """Make `events()` return at its next check (the caller then kills or replaces us)."""
-        self._interrupted.set()
-
-    def __enter__(self) -> MpiInstance:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.kill()
 
     def start(self) -> None:
         mpirun, lib = find_mpi()
@@ -221,7 +196,7 @@ class MpiInstance:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=lambda: child_setup(None),  # die with us (PR_SET_PDEATHSIG)
         )
         self.procs = [self.proc]
         for stream in (self.proc.stdout, self.proc.stderr):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from thunderpool.cluster.blas import fast_blas_env
-from thunderpool.cluster.launch import _child_setup, one_core_env
+from thunderpool.cluster.launch import child_setup, one_core_env
 from thunderpool.cluster.messages import RankSpec
 from thunderpool.config import LINK_TOKEN_ENV
 from thunderpool.engine.job import RankJob
@@ -181,7 +181,7 @@ def _spawn(argv: list[str], env: dict[str, str], cpu: int | None) -> subprocess.
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        preexec_fn=lambda: _child_setup(cpu),
+        preexec_fn=lambda: child_setup(cpu),
     )
 
 

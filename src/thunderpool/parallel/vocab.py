@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from thunderpool.errors import ShardingError
-from thunderpool.parallel.tensor import proportional_split
+from thunderpool.parallel.tensor import proportional_split, slice_rows
 
 _TENSORS = ("weight", "scales", "biases", "bias")
 
@@ -23,7 +23,8 @@ class HeadRows(nn.Module):
         super().__init__()
         for name in _TENSORS:
             if name in source:
-                self[name] = mx.contiguous(source[name][a:b])
+                self[name] = source[name]
+        slice_rows(self, a, b)
         self.quantized = "scales" in source
         if self.quantized:
             self.group_size, self.bits = source.group_size, source.bits
@@ -55,6 +56,7 @@ class SplitHead(nn.Module):
         self.group = group
         self._sizes = sizes  # rows per rank, in rank order
         self.width = max(sizes)  # all_gather wants equal shapes: shorter shares are padded
+        self.uneven = len(set(sizes)) > 1
 
     def __call__(self, h: mx.array) -> mx.array:
         local = self.rows(h)
@@ -64,7 +66,7 @@ class SplitHead(nn.Module):
         if mine < self.width:
             flat = mx.pad(flat, [(0, self.width - mine), (0, 0)])
         full = mx.distributed.all_gather(flat, group=self.group)
-        if len(set(self._sizes)) > 1:
+        if self.uneven:
             w = self.width
             full = mx.concatenate([full[r * w : r * w + n] for r, n in enumerate(self._sizes)])
         return full.T.reshape(*lead, -1)
