@@ -45,6 +45,15 @@ def workers_under(pid: int, deep: bool = False) -> set[int]:
     return {p for p, (_, cmd) in procs.items() if RANK in cmd and below(p)}
 
 
+def alive(pid: int) -> bool:
+    """Whether `pid` runs: a zombie (dead, its parent not yet reaping it) does not. Ranks under
+    mpirun that outlive it are reaped by init a moment after they die."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def listening(pid: int | None = None) -> set[int]:
     """Every TCP port some process on this host listens on, or only process `pid` (closed
     connections in TIME_WAIT still block a plain bind, so a bind is not the test)."""

@@ -76,10 +76,11 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-weights", type=_floats, help="TP: per-rank head shares, e.g. 2,1")
     p.add_argument(
         "--backend",
-        choices=("ring", "mpi"),
-        default="ring",
-        help="collectives between local ranks: MLX ring over loopback (default) or MPI shared "
-        "memory under Open MPI's mpirun, faster on one host (not with --cluster)",
+        choices=("auto", "ring", "mpi"),
+        default="auto",
+        help="collectives between local ranks: MPI shared memory under Open MPI's mpirun "
+        "(faster on one host) or MLX ring over loopback; auto (default) takes mpi when "
+        "Open MPI is installed, else ring (--cluster picks per link)",
     )
     p.add_argument(
         "--timeout",
@@ -209,10 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--backend",
-        choices=("ring", "mpi"),
-        default="ring",
-        help="collectives between the local ranks: MLX ring over loopback (default) or MPI "
-        "shared memory under Open MPI's mpirun",
+        choices=("auto", "ring", "mpi"),
+        default="auto",
+        help="collectives between the local ranks: MPI shared memory under Open MPI's "
+        "mpirun or MLX ring over loopback; auto (default) takes mpi when Open MPI is "
+        "installed, else ring",
     )
     bench.add_argument(
         "--tp-weights", type=_floats, help="TP: per-rank head and channel shares, e.g. 1,2"

@@ -19,16 +19,17 @@ def _mib(n: int | float) -> str:
 
 def _instance(args: argparse.Namespace, make_job, timeout: float | None):
     """Local ranks on this host, or the planned ranks across the cluster (--cluster)."""
-    from thunderpool.cluster.mpi import check_backend, local_instance
+    from thunderpool.cluster.mpi import local_instance, resolve_backend
     from thunderpool.engine.loader import Layout, preflight
     from thunderpool.models.source import resolve_model
 
-    check_backend(args)
+    nodes = args.nodes or 2
+    backend = resolve_backend(args, nodes)
     if args.cluster:
         from thunderpool.cluster.cli import cluster_instance
 
         return cluster_instance(args, make_job, timeout), args.model or "SmolLM2-135M-Instruct"
-    nodes, parallel = args.nodes or 2, args.parallel or "tp"
+    parallel = args.parallel or "tp"
     model_dir = resolve_model(args.model)
     preflight(model_dir, nodes, Layout(parallel, args.tp_weights, args.layer_split))
     job = make_job(
@@ -36,7 +37,7 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
         {"parallel": parallel, "tp_weights": args.tp_weights, "layer_split": args.layer_split},
         str(model_dir),
     )
-    job = job.model_copy(update={"backend": args.backend})
+    job = job.model_copy(update={"backend": backend})
     return local_instance(job, timeout=timeout), model_dir.name
 
 
@@ -69,7 +70,9 @@ def generate(args: argparse.Namespace) -> int:
     instance, name = _instance(args, make_job, args.timeout)
     world = instance.job.world_size
     mode = instance.job.parallel.upper() if world > 1 else "single rank"
-    where = "the cluster" if args.cluster else "MLX ring on loopback"
+    from thunderpool.cluster.mpi import LOCAL_BACKENDS
+
+    where = "the cluster" if args.cluster else LOCAL_BACKENDS[instance.job.backend]
     err.print(f"[dim]{name}: {world} rank(s), {mode}, {where}[/]")
     loaded, peaks, done = {}, {}, None
     bar = LoadBar(world, f"loading {name} on {world} rank(s)", err)
@@ -166,7 +169,10 @@ def import_gguf(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
+    from thunderpool.cluster.mpi import resolve_backend
+
     _same_blas_as_ranks()
+    backend = resolve_backend(args, max(args.nodes))
     if args.cluster:
         import json
 
@@ -202,7 +208,7 @@ def bench(args: argparse.Namespace) -> int:
         console=console,
         concurrency=args.concurrency or (),
         pin=args.pin,
-        backend=args.backend,
+        backend=backend,
         timeout=args.timeout,
         tp_weights=args.tp_weights,
     )

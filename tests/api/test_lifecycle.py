@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import listening, workers_under
+from procs import alive, listening, workers_under
 
 CLIENTS, ROUNDS, MAX_TOKENS = 32, 4, 12
 PROMPTS = [f"Question {i}: what comes after {i * 7}?" for i in range(CLIENTS)]
@@ -146,7 +145,7 @@ def test_32_streaming_clients_get_exactly_their_answers_alone(server, alone):
 
 
 def test_a_killed_local_rank_is_restarted_and_serves_the_same_text(server, alone):
-    ranks = workers_under(server.proc.pid)
+    ranks = workers_under(server.proc.pid, deep=True)
     assert len(ranks) == 2
     generation = httpx.get(f"{server.url}/v1/cluster", timeout=5).json()["instance"]["generation"]
     os.kill(max(ranks), signal.SIGKILL)
@@ -154,40 +153,39 @@ def test_a_killed_local_rank_is_restarted_and_serves_the_same_text(server, alone
     assert wait_until(server.ready, timeout=120), server.log.read_text()
     info = httpx.get(f"{server.url}/v1/cluster", timeout=5).json()["instance"]
     assert info["generation"] == generation + 1
-    assert not (ranks & workers_under(server.proc.pid))  # the old ranks are gone, both of them
+    assert not (ranks & workers_under(server.proc.pid, deep=True))  # both old ranks are gone
     prompt = PROMPTS[3]
     assert server.complete(prompt)["choices"][0]["text"] == alone[prompt]["choices"][0]["text"]
 
 
 def test_ctrl_c_stops_every_rank_and_frees_the_ports(server):
-    ranks = workers_under(server.proc.pid)
+    ranks = workers_under(server.proc.pid, deep=True)
     assert len(ranks) == 2
     rank_ports = set().union(*(listening(pid) for pid in ranks))
-    assert rank_ports  # the engine link and the ring
+    assert rank_ports  # the engine link (and the ring's ports under ring)
     start = time.monotonic()
     server.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
     server.proc.wait(timeout=30)
     took = time.monotonic() - start
     print(f"serve stopped {took:.1f} s after Ctrl-C")
-    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
+    assert not any(alive(pid) for pid in ranks)
     assert not ({server.port} | rank_ports) & listening()
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (openmpi-bin)")
-def test_serve_with_mpi_ranks_answers_the_same_and_stops_them_all(tmp_path, tiny_chat, alone):
-    """`--backend mpi`: the ranks run under mpirun (MPI collectives); same greedy answers as
-    the ring instance, and Ctrl-C still ends mpirun and every rank."""
-    srv = Server(tiny_chat, tmp_path / "serve.log", "--backend", "mpi")
+def test_serve_with_ring_ranks_answers_the_same_and_stops_them_all(tmp_path, tiny_chat, alone):
+    """`--backend ring`: the ranks are serve's own children joined by MLX ring (the default
+    picks mpi where Open MPI is installed); same greedy answers, and Ctrl-C ends them all."""
+    srv = Server(tiny_chat, tmp_path / "serve.log", "--backend", "ring")
     try:
         assert wait_until(srv.ready, timeout=180), srv.log.read_text()
         for prompt in PROMPTS[:4]:
             got = srv.complete(prompt)["choices"][0]["text"]
             assert got == alone[prompt]["choices"][0]["text"]
-        ranks = workers_under(srv.proc.pid, deep=True)
-        assert len(ranks) == 2 and not workers_under(srv.proc.pid)  # grandchildren: mpirun's
+        ranks = workers_under(srv.proc.pid)
+        assert len(ranks) == 2  # children, not mpirun's
         srv.proc.send_signal(signal.SIGINT)
         srv.proc.wait(timeout=30)
-        assert wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in ranks), 10)
+        assert not any(alive(pid) for pid in ranks)
     finally:
         if srv.proc.poll() is None:
             os.killpg(srv.proc.pid, signal.SIGKILL)

@@ -9,12 +9,20 @@ import signal
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from conftest import run_trace, tiny_prompts
 
-from thunderpool.cluster.mpi import MpiInstance, mpi_command, session_pids, tail_lines
+from thunderpool.cluster import mpi
+from thunderpool.cluster.mpi import (
+    MpiInstance,
+    mpi_command,
+    resolve_backend,
+    session_pids,
+    tail_lines,
+)
 from thunderpool.engine.job import RankJob, TraceTask
 from thunderpool.errors import LaunchError
 
@@ -50,6 +58,34 @@ def test_command_pins_one_core_per_rank():
     ]  # fmt: skip
     loose = mpi_command("mpirun", 3, False, [], ["w"], root=False)
     assert loose == ["mpirun", "-np", "3", "--bind-to", "none", "--oversubscribe", "w"]
+
+
+@pytest.fixture
+def no_open_mpi(monkeypatch):
+    def missing():
+        raise LaunchError("--backend mpi needs Open MPI's mpirun")
+
+    monkeypatch.setattr(mpi, "find_mpi", missing)
+
+
+def args(backend: str, cluster: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(backend=backend, cluster=cluster)
+
+
+def test_auto_backend_takes_mpi_for_local_ranks_when_open_mpi_is_there(monkeypatch):
+    monkeypatch.setattr(mpi, "find_mpi", lambda: ("/usr/bin/mpirun", "libmpi.so.40"))
+    assert resolve_backend(args("auto"), 2) == "mpi"
+    assert resolve_backend(args("auto"), 1) == "ring"  # one rank: nothing to reduce
+    assert resolve_backend(args("ring"), 2) == "ring"
+    assert resolve_backend(args("auto", cluster=True), 2) == "ring"  # the planner decides
+
+
+def test_auto_backend_falls_back_to_ring_without_open_mpi(no_open_mpi):
+    assert resolve_backend(args("auto"), 3) == "ring"
+    with pytest.raises(LaunchError, match="needs Open MPI"):
+        resolve_backend(args("mpi"), 2)
+    with pytest.raises(LaunchError, match="--backend mpi is for ranks on this host"):
+        resolve_backend(args("mpi", cluster=True), 2)
 
 
 def trace_job(model_dir, out, nodes=2, parallel="tp") -> RankJob:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import os
 import signal
 import subprocess
@@ -69,17 +70,36 @@ def mpi_command(
     return cmd + argv
 
 
-def check_backend(args) -> None:
-    """`--backend mpi` starts local ranks under mpirun: refuse it with --cluster (the planner
-    picks jaccl or ring per link there) and say what to install before anything loads."""
-    if getattr(args, "backend", "ring") != "mpi":
-        return
+# How each backend joins local ranks, as the runs' first line says it.
+LOCAL_BACKENDS = {"ring": "MLX ring on loopback", "mpi": "MPI shared memory under mpirun"}
+
+
+def resolve_backend(args, world_size: int) -> str:
+    """The collective backend for local ranks: "auto" takes MPI's shared memory when Open MPI
+    is installed (it wins on one host, docs/benchmarks.md), else MLX ring. An explicit mpi is
+    refused with --cluster (the planner picks jaccl or ring per link) or without Open MPI."""
+    requested = getattr(args, "backend", "auto")
     if getattr(args, "cluster", False):
-        raise LaunchError(
-            "--backend mpi is for ranks on this host; with --cluster the coordinator uses "
-            "jaccl over RDMA or ring over TCP; drop --backend"
-        )
-    find_mpi()
+        if requested == "mpi":
+            raise LaunchError(
+                "--backend mpi is for ranks on this host; with --cluster the coordinator uses "
+                "jaccl over RDMA or ring over TCP; drop --backend"
+            )
+        return "ring"
+    if requested == "mpi":
+        find_mpi()
+        return "mpi" if world_size > 1 else "ring"
+    if requested == "auto" and world_size > 1 and mpi_available():
+        return "mpi"
+    return "ring"
+
+
+def mpi_available() -> bool:
+    try:
+        find_mpi()
+    except LaunchError:
+        return False
+    return True
 
 
 def local_instance(job: RankJob, **kwargs) -> LocalInstance | MpiInstance:
@@ -92,6 +112,7 @@ def local_instance(job: RankJob, **kwargs) -> LocalInstance | MpiInstance:
     return LocalInstance(job, **kwargs)
 
 
+@functools.cache
 def find_mpi() -> tuple[str, str]:
     """(mpirun path, libmpi file name), or a LaunchError saying what to install."""
     import shutil

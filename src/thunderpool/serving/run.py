@@ -35,7 +35,7 @@ def check_exposure(host: str, api_key: str | None, insecure: bool) -> None:
 def serve_main(args: argparse.Namespace, console: Console) -> int:
     from mlx_lm.utils import load_tokenizer
 
-    from thunderpool.cluster.mpi import check_backend
+    from thunderpool.cluster.mpi import LOCAL_BACKENDS, resolve_backend
     from thunderpool.config import api_key_from_env
     from thunderpool.engine.loader import read_config
     from thunderpool.engine.service import EngineInfo
@@ -45,7 +45,7 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
 
     api_key = args.api_key or api_key_from_env()
     check_exposure(args.host, api_key, args.insecure)
-    check_backend(args)
+    backend = resolve_backend(args, args.nodes or 2)
     model_dir = resolve_model(args.model)
     config = read_config(model_dir)
     tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
@@ -57,7 +57,8 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
         plan, token, members = _cluster(args, name, max_context, console)
     else:
         token, members = secrets.token_urlsafe(24), None
-        plan = _local(args, model_dir, name, max_context, token)
+        plan = _local(args, backend, model_dir, name, max_context, token)
+        console.print(f"{args.nodes or 2} local ranks, {LOCAL_BACKENDS[backend]}")
     gateway = Gateway(info, tokenizer, token)
     supervisor = Supervisor(gateway, plan, console, on_event=_print_loaded(console))
     url = _start_api(args, gateway, supervisor, api_key)
@@ -71,7 +72,7 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _local(args, model_dir: Path, name: str, max_context: int, token: str):
+def _local(args, backend: str, model_dir: Path, name: str, max_context: int, token: str):
     from thunderpool.cluster.mpi import local_instance
     from thunderpool.config import LINK_TOKEN_ENV
     from thunderpool.engine.job import RankJob, ServeTask
@@ -87,7 +88,7 @@ def _local(args, model_dir: Path, name: str, max_context: int, token: str):
         layer_split=args.layer_split,
         prefill_chunk=args.prefill_chunk,
         task=ServeTask(model_name=name, max_batch=args.max_batch, max_context=max_context),
-        backend=args.backend,
+        backend=backend,
     )
     # On one host a lost rank is restarted in the same layout; the token authenticates the
     # gateway to the leader and reaches the ranks through their environment only.
