@@ -1,12 +1,14 @@
 """Collectives per decode step, counted exactly: TP issues 2 all_sums per layer, one
 all_gather of the split output head's logits and one control exchange; PP one send and one
 recv on the leader plus the exchange. Counted by the
-bench's shim around mx.distributed inside real 2-rank runs, and in one process."""
+bench's shim around mx.distributed inside real 2-rank runs, and in one process. Serve's decode
+bursts (continuous batching) issue the same per step: no JSON command, one exchange."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from batch_ranks import run_ranks
 
 from thunderpool.bench.breakdown import count_decode_step, counting_collectives, solo_collectives
 from thunderpool.bench.run import bench_parallel
@@ -72,3 +74,33 @@ def test_two_ranks_count_per_decode_step(tiny_models, kind, parallel, weights, b
     # The count stopped a generation early; both timed runs after it match token for token.
     assert r["identical_runs"] is True and len(r["tokens"]) == 6
     assert len(r["breakdown"]["compute_ms_by_rank"]) == 2
+
+
+def _minus(after: dict, before: dict) -> dict:
+    return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_two_ranks_count_per_serve_decode_step(tiny_models, tmp_path, kind):
+    """One request through serve's scheduler on 2 TP ranks: the prefill, one "step" command
+    that starts a burst, then burst steps. Between two tokens of the burst the leader builds
+    exactly one step: 2 all_sums per layer + the exchange, and the logits' all_gather."""
+    request = {"prompt": list(range(3, 20)), "params": {"max_tokens": 8}}
+    spec = {"model": str(tiny_models[kind]), "requests": [request], "count": True}
+    got = run_ranks(spec, tmp_path)
+    steps = ["pre", "pre", "step+", *["x"] * 6]  # 17 prompt tokens in chunks of 16
+    assert got["events"] == [["submit", 0], *steps, ["finish", 0], "step"]
+    per_token = got["per_token"]  # (collectives by op, Control.collectives) at each token
+    assert len(per_token) == 8
+    for before, after in zip(per_token[1:6], per_token[2:7], strict=True):
+        assert _minus(after[0], before[0]) == TP_STEP
+        assert after[1] - before[1] == 1
+    assert per_token[7] == per_token[6]  # the last token: nothing more was issued
+    # 7 decode forwards after the prefill, each with exactly one control collective: the
+    # "step" command's JSON, then 6 exchanges.
+    assert per_token[7][1] - per_token[0][1] == 7
+    assert _minus(per_token[7][0], per_token[0][0]) == {
+        "all_gather": 7,
+        "all_sum": 7 * (2 * LAYERS + 1),
+    }

@@ -1,5 +1,7 @@
 """Continuous batching on one rank: staggered, concurrent greedy requests give exactly the
-tokens of the same requests run one at a time; cancelled rows leave the batch."""
+tokens of the same requests run one at a time; cancelled rows leave the batch. Decode bursts
+run here too (the same leader logic, minus the collective): requests that arrive, finish or
+are cancelled mid-burst change nothing, and a burst runs no step past a row's max_tokens."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from batch_ranks import run_scenario
 
 from thunderpool.engine.control import Control
 from thunderpool.engine.engine import Leader
@@ -34,7 +37,8 @@ def one_at_a_time(runner, prompt, params) -> list[int]:
 
 
 def run_batched(runner, requests, arrivals, cancel=None):
-    """Submit request i before step arrivals[i]; optionally cancel one after some steps."""
+    """Submit request i before step arrivals[i]; cancel=(i, n) cancels request i as its n-th
+    token arrives (inside a decode burst, when one runs)."""
     sched = Scheduler(runner, Control(runner.group), None, prefill_chunk=16, max_batch=8)
     out = {i: [] for i in range(len(requests))}
     done = {}
@@ -49,10 +53,9 @@ def run_batched(runner, requests, arrivals, cancel=None):
                     lambda d, i=i: (
                         out[i].extend(d.tokens),
                         d.finish_reason and done.setdefault(i, d),
+                        cancel == (i, len(out[i])) and sched.cancel(ids[i]),
                     ),
                 )
-        if cancel and step == cancel[1]:
-            sched.cancel(ids[cancel[0]])
         sched.step()
         max_rows = max(max_rows, len(sched.state.rows))
         expected = len(requests) - (1 if cancel else 0)
@@ -79,8 +82,7 @@ def test_cancelled_request_leaves_the_batch(runner):
     reqs = [(p, params) for p in prompts(3, seed=9)]
     expected = [one_at_a_time(runner, p, params) for p, _ in reqs]
     out, done, sched, _ = run_batched(runner, reqs, arrivals=[0, 0, 0], cancel=(1, 8))
-    assert 1 not in done and 0 < len(out[1]) < 30
-    assert out[1] == expected[1][: len(out[1])]
+    assert 1 not in done and out[1] == expected[1][:8]  # nothing after the cancellation
     assert out[0] == expected[0] and out[2] == expected[2]
     assert sched.state.rows == []
 
@@ -91,3 +93,54 @@ def test_seeded_sampling_is_the_same_alone_and_batched(runner):
     alone = [one_at_a_time(runner, p, hot) for p, _ in reqs]
     out, _, _, _ = run_batched(runner, reqs, arrivals=[0, 1, 1])
     assert [out[i] for i in range(3)] == alone
+
+
+def test_a_burst_runs_no_step_past_max_tokens(runner):
+    """One prefill, one "step" that starts a burst, then exactly max_tokens - 2 burst steps;
+    two rows: the burst ends on the shorter row's last token, which then leaves the batch."""
+    prompt = prompts(2, seed=5)
+    control = Control(runner.group)
+    spec = {"requests": [{"prompt": prompt[0], "params": {"max_tokens": 9}}]}
+    got = run_scenario(runner, control, None, spec)
+    steps = ["pre"] * ((len(prompt[0]) + 15) // 16 - 1) + ["pre", "step+"] + ["x"] * 7
+    assert got["events"] == [["submit", 0], *steps, ["finish", 0], "step"]
+    assert got["out"][0]["tokens"] == one_at_a_time(runner, prompt[0], SamplingParams(9))
+    two = [
+        {"prompt": p, "params": {"max_tokens": n}} for p, n in zip(prompt, (14, 20), strict=True)
+    ]
+    got = run_scenario(runner, control, None, {"requests": two})
+    events = got["events"]
+    assert events[events.index(["finish", 0]) + 1] == "step+"  # no burst step after its last
+    assert events[-3:] == ["x", ["finish", 1], "step"]
+    assert [o["tokens"] for o in got["out"]] == [
+        one_at_a_time(runner, p, SamplingParams(n)) for p, n in zip(prompt, (14, 20), strict=True)
+    ]
+    assert got["left"] == [[], True, 0]
+
+
+def test_arrivals_eos_and_cancel_mid_burst_equal_one_at_a_time(runner):
+    """Requests submitted and cancelled from inside a burst (at some request's n-th token),
+    one that meets eos mid-burst and a seeded hot one: each gets exactly its tokens alone."""
+    hot = {"max_tokens": 16, "temperature": 1.1, "top_k": 30, "seed": 11}
+    params = [{"max_tokens": 24}, hot, {"max_tokens": 30}, {"max_tokens": 20}, {"max_tokens": 10}]
+    after = [None, [0, 3], [0, 8], [1, 5], [2, 4]]
+    requests = [
+        {"prompt": p, "params": sp, "after": a}
+        for p, sp, a in zip(prompts(5, seed=8), params, after, strict=True)
+    ]
+    alone = [one_at_a_time(runner, r["prompt"], SamplingParams(**r["params"])) for r in requests]
+    # Request 2 meets "eos": a token of its answer that it has not produced before.
+    k = next(k for k in range(5, 20) if alone[2][k] not in alone[2][:k])
+    eos = alone[2][k]
+    spec = {"requests": requests, "cancel": [[3, 7]], "eos": [eos], "prefill_chunk": 64}
+    got = run_scenario(runner, Control(runner.group), None, spec)
+    expected = [next((t[:j] for j, x in enumerate(t) if x == eos), t) for t in alone]
+    expected[3] = expected[3][:7]
+    assert [o["tokens"] for o in got["out"]] == expected
+    assert [o["reason"] for o in got["out"]] == ["length", "length", "stop", None, "length"]
+    assert len(expected[2]) == k and len(expected[3]) == 7 and got["left"] == [[], True, 0]
+    # Every arrival, the cancellation and every end came inside a burst (after a burst step).
+    events = got["events"]
+    for at, e in enumerate(events):
+        if isinstance(e, list) and at > 0:
+            assert [c for c in events[:at] if isinstance(c, str)][-1] == "x", (e, events)

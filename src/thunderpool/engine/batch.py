@@ -32,7 +32,12 @@ class BatchState:
             return None
         if len(tokens) != len(self.rows):
             raise RuntimeError(f"{len(tokens)} tokens for {len(self.rows)} batch rows")
-        return self.runner.forward(mx.array(tokens)[:, None], self.batch)
+        return self.decode(mx.array(tokens))
+
+    def decode(self, tokens: mx.array) -> mx.array | None:
+        """One decode step of every row on tokens (B,), lazily (a burst step feeds the
+        exchanged tokens, so the forward waits on the exchange on every rank)."""
+        return self.runner.forward(tokens[:, None], self.batch)
 
     def _drop(self, drop: set[int]) -> None:
         for sid in drop:

@@ -6,7 +6,8 @@ collective of its exact padded length. No pickle ever crosses the wire.
 
 A decode step needs no JSON: `step_token` sums one int32 inside the lazy graph (the leader's
 token id + 1, or 0 for stop), so no rank waits in Python for it and the next step's graph can
-be built while the current one computes.
+be built while the current one computes. `burst_step` does the same for a batch decode step
+of serve's scheduler: one (B+1,) int32 sum of [last, token of each row].
 """
 
 from __future__ import annotations
@@ -43,6 +44,20 @@ class Control:
             mine = mx.zeros((1,), mx.int32)
         else:
             mine = token.astype(mx.int32).reshape(1) + 1
+        self.collectives += 1
+        return mx.distributed.all_sum(mine, group=self.group)
+
+    def burst_step(self, tokens: mx.array | None, rows: int, last: bool = False) -> mx.array:
+        """One batch decode step's command, lazily: the leader passes its sampled tokens (B,)
+        and whether this is the burst's last step; followers pass None. Returns (B+1,) int32:
+        [1 if last else 0, the token of each row]."""
+        if tokens is None:
+            mine = mx.zeros((rows + 1,), mx.int32)
+        else:
+            flag = mx.array([int(last)], mx.int32)
+            mine = mx.concatenate([flag, tokens.astype(mx.int32).reshape(rows)])
+        if self.size == 1:
+            return mine  # alone: the same graph minus the collective
         self.collectives += 1
         return mx.distributed.all_sum(mine, group=self.group)
 

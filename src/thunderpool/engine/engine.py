@@ -9,6 +9,12 @@ chunk (which says how many decode steps follow), step k is the token exchange C_
 all_sum inside the graph) and the forward F_k built on it, so each rank builds step k+1 while
 step k computes. Followers issue F_k before they know whether C_k said stop, so a leader that
 stops early sends stop and runs one dummy forward too.
+
+Serve's continuous batching (scheduler.py) sends a JSON "step" (rows to drop and join, each
+row's token) when the batch changes; when it says `more`, a decode burst follows with no JSON:
+step k is the exchange of [last, each row's token] (one int32 all_sum inside the graph) and
+the batch forward on it, pipelined the same way. Followers read `last` after issuing step k's
+forward; the leader set it when it issued the step, so no rank ever runs a dummy forward.
 """
 
 from __future__ import annotations
@@ -197,6 +203,25 @@ def follow_decode(runner: Runner, control: Control, cache: list, steps: int) -> 
         mx.eval(out)
 
 
+def follow_burst(runner: Runner, control: Control, batch: BatchState, out: mx.array | None) -> None:
+    """Pipelined batch decode steps after a "step" command that said `more` (its forward is
+    `out`), until the leader's exchange says last."""
+    rows = len(batch.rows)
+    if out is not None:
+        mx.async_eval(out)
+    while True:
+        exchanged = control.burst_step(None, rows)
+        if runner.stage is not None:
+            # PP: the exchange must complete before this stage's recv, as on the leader.
+            mx.eval(exchanged)
+        out = batch.decode(exchanged[1:])
+        mx.async_eval(exchanged, *([out] if out is not None else []))
+        if exchanged[0].item():
+            break
+    if out is not None:
+        mx.eval(out)
+
+
 def follow(runner: Runner, control: Control) -> None:
     """Follower loop: execute the leader's commands until it says stop."""
     cache, batch = None, BatchState(runner)
@@ -222,6 +247,9 @@ def follow(runner: Runner, control: Control) -> None:
                 out = batch.prefill(command["sid"], command["t"])
             case "step":
                 out = batch.step(command["drop"], command["join"], command["t"])
+                if command.get("more"):
+                    follow_burst(runner, control, batch, out)
+                    out = None
             case "probe":
                 shape = tuple(command["shape"])
                 collective_latency(control.group, shape, command["n"], command.get("c", "all_sum"))

@@ -3,6 +3,16 @@
 Each iteration the leader sends at most one prefill chunk (so a long prompt never stalls the
 others for more than a chunk) and one decode step for every running row. Finished and
 cancelled requests leave the batch at the next step, which frees their KV cache on every rank.
+
+Decode bursts: when the batch only has decoding to do, the "step" command says `more`, and the
+steps after it carry no JSON. Burst step k is one in-graph int32 all_sum of [last, tokens]
+(Control.burst_step) built on step k-1's lazily sampled tokens, then the forward on the
+exchanged tokens, so every rank builds step k+1 while step k computes. The leader sets `last`
+when it issues a step: a row done for sure by max_tokens/max_context once this step's token
+is in, or a row already finished (eos, stop string), a cancellation or a request that could
+join. Followers read `last` after issuing the step's forward, so every rank runs the same
+forwards; each is a real step for every row still running (a finished row's extra step or
+two is discarded, and the next "step" command drops it).
 """
 
 from __future__ import annotations
@@ -125,7 +135,7 @@ class Scheduler:
             self.control.send({"op": "stop"})
 
     def step(self) -> bool:
-        """One iteration; returns False when there was nothing to do."""
+        """One iteration (a decode burst counts as one); False when there was nothing to do."""
         drop = self._take_incoming()
         join: list[int] = []
         if self.prefilling is None and self.waiting and len(self.active) < self.max_batch:
@@ -142,14 +152,58 @@ class Scheduler:
         tokens = [s.next_token for s in self.active]
         if not tokens and not drop:
             return self.prefilling is not None
-        self.control.send({"op": "step", "drop": drop, "join": join, "t": tokens})
+        more = bool(tokens) and not self._burst_ends(ahead=1)
+        command = {"op": "step", "drop": drop, "join": join, "t": tokens}
+        if more:
+            command["more"] = 1
+        self.control.send(command)
         logits = self.state.step(drop, join, tokens)
-        if logits is not None:
-            picked = sample_rows(logits, [s.sampler for s in self.active]).tolist()
-            for seq, token in zip(self.active, picked, strict=True):
-                self._deliver(seq, token)
-            self.counters.recent.append((time.perf_counter(), len(picked)))
+        if logits is None:
+            return True
+        samplers = [s.sampler for s in self.active]
+        y = sample_rows(logits, samplers)
+        if more:
+            y = self._burst(y, samplers)
+        self._deliver_rows(y.tolist())
         return True
+
+    def _burst(self, y: mx.array, samplers: list[Sampler]) -> mx.array:
+        """Pipelined decode steps after a "step" command that said `more` (module docstring):
+        issue step k on step k-1's lazy tokens y, then deliver y. Returns the last step's."""
+        mx.async_eval(y)
+        last = False
+        while not last:
+            # Two tokens per row are ahead of the delivered ones: y and this step's.
+            last = self._burst_ends(ahead=2)
+            exchanged = self.control.burst_step(y, len(samplers), last)
+            nxt = sample_rows(self.state.decode(exchanged[1:]), samplers)
+            mx.async_eval(nxt)
+            self._deliver_rows(y.tolist())
+            y = nxt
+        return y
+
+    def _burst_ends(self, ahead: int) -> bool:
+        """Whether the decode step about to be issued must be the burst's last (or, before
+        the "step" command, whether no burst may start). `ahead`: tokens each row will have
+        beyond its delivered ones once that step's token is sampled."""
+        room = len(self.active) < self.max_batch
+        with self._lock:
+            news = bool(self._cancelled) or (room and bool(self._incoming))
+        if news or self._stopping or self.prefilling is not None or (room and self.waiting):
+            return True
+        return any(s.finished or self._at_limit(s, s.generated + ahead) for s in self.active)
+
+    def _deliver_rows(self, tokens: list[int]) -> None:
+        """One decode step's tokens, to the rows still running (a burst may run a finished or
+        cancelled row a step or two past its end)."""
+        with self._lock:
+            cancelled = set(self._cancelled)
+        delivered = 0
+        for seq, token in zip(self.active, tokens, strict=True):
+            if not seq.finished and seq.sid not in cancelled:
+                self._deliver(seq, token)
+                delivered += 1
+        self.counters.recent.append((time.perf_counter(), delivered))
 
     def _take_incoming(self) -> list[int]:
         """Move new requests to the queue and apply cancellations; returns rows to drop."""
@@ -190,12 +244,12 @@ class Scheduler:
         delta = seq.text.add(token) if seq.text else ""
         if seq.text is not None and seq.text.stopped:
             return self._finish(seq, "stop", delta, (token,))
-        if (
-            seq.generated >= seq.params.max_tokens
-            or len(seq.prompt) + seq.generated >= self.max_context
-        ):
+        if self._at_limit(seq, seq.generated):
             return self._finish(seq, "length", delta, (token,))
         seq.emit(Delta(delta, tokens=(token,)))
+
+    def _at_limit(self, seq: Sequence, generated: int) -> bool:
+        return generated >= seq.params.max_tokens or len(seq.prompt) + generated >= self.max_context
 
     def _finish(self, seq: Sequence, reason: str, delta: str, tokens: tuple[int, ...]) -> None:
         tail = seq.text.finish() if seq.text else ""

@@ -1,0 +1,160 @@
+"""Serve's continuous batching driven in token time, in process on one rank or on real ranks.
+
+A scenario is JSON: requests (token prompts, sampling) that arrive when a given request has
+emitted n tokens, cancellations at a request's n-th token, an optional eos override. Arrivals
+and cancellations happen inside the emit callback, so inside a decode burst when one runs.
+`run_ranks` starts two rank processes (MLX ring on loopback, with a timeout); rank 0 drives
+the Scheduler and rank 1 follows: `python batch_ranks.py SPEC.json OUT.json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+from thunderpool.bench.breakdown import counting_collectives
+from thunderpool.cluster.launch import child_setup, free_ports
+from thunderpool.engine.control import Control
+from thunderpool.engine.engine import follow
+from thunderpool.engine.loader import Layout, load_shard, read_config
+from thunderpool.engine.sampling import SamplingParams
+from thunderpool.engine.scheduler import Scheduler
+
+
+def run_scenario(runner, control: Control, tokenizer, spec: dict) -> dict:
+    """Runs the scenario on the leader; returns each request's outcome and the event log:
+    control commands ("pre", "step", "step+" for one that starts a burst, "x" for a burst
+    step) interleaved with ["submit" | "cancel" | "finish", request]."""
+    sched = Scheduler(
+        runner,
+        control,
+        tokenizer,
+        prefill_chunk=spec.get("prefill_chunk", 16),
+        max_batch=spec.get("max_batch", 8),
+    )
+    if spec.get("eos") is not None:
+        sched.eos = set(spec["eos"])
+    reqs, cancels = spec["requests"], [tuple(c) for c in spec.get("cancel", [])]
+    events: list = []
+    send, burst_step = control.send, control.burst_step
+
+    def logged_send(command: dict) -> None:
+        events.append(command["op"] + ("+" if command.get("more") else ""))
+        send(command)
+
+    def logged_burst_step(*args, **kwargs):
+        events.append("x")
+        return burst_step(*args, **kwargs)
+
+    control.send, control.burst_step = logged_send, logged_burst_step
+    out = [{"tokens": [], "text": "", "reason": None, "completion": 0} for _ in reqs]
+    ids: dict[int, int] = {}
+    cancelled: set[int] = set()
+    per_token: list = []  # (collectives by op, Control.collectives) at each emitted token
+    counts: dict = {}
+
+    def submit(i: int) -> None:
+        events.append(["submit", i])
+        params = SamplingParams(**{**reqs[i]["params"], "stop": tuple(reqs[i].get("stop", ()))})
+        ids[i] = sched.submit(reqs[i]["prompt"], params, lambda d, i=i: on_delta(i, d))
+
+    def on_delta(i: int, d) -> None:
+        o = out[i]
+        o["tokens"] += list(d.tokens)
+        o["text"] += d.text
+        per_token.append((dict(counts), control.collectives))
+        if d.finish_reason:
+            o["reason"], o["completion"] = d.finish_reason, d.completion_tokens
+            events.append(["finish", i])
+        n = len(o["tokens"])
+        for j, r in enumerate(reqs):
+            if r.get("after") == [i, n] and j not in ids:
+                submit(j)
+        if (i, n) in cancels and i not in cancelled:
+            cancelled.add(i)
+            events.append(["cancel", i])
+            sched.cancel(ids[i])
+
+    def done() -> bool:
+        ended = (o["reason"] is not None or i in cancelled for i, o in enumerate(out))
+        return len(ids) == len(reqs) and all(ended)
+
+    with counting_collectives() if spec.get("count") else contextlib.nullcontext() as c:
+        counts = c if c is not None else counts
+        for i, r in enumerate(reqs):
+            if r.get("after") is None:
+                submit(i)
+        for _ in range(10_000):
+            if done():
+                break
+            sched.step()
+        assert done(), f"the scenario did not finish: {out}"
+        while sched.step():  # the last finished and cancelled rows leave the batch
+            pass
+    control.send, control.burst_step = send, burst_step
+    left = [sched.state.rows, sched.state.batch is None, len(sched.state.pending)]
+    return {"out": out, "events": events, "per_token": per_token, "left": left}
+
+
+def main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    group = mx.distributed.init(backend="ring", strict=True)
+    model = Path(spec["model"])
+    runner, config, _ = load_shard(model, group, Layout(spec.get("parallel", "tp")))
+    control = Control(group)
+    if group.rank() != 0:
+        follow(runner, control)
+        return
+    tokenizer = None
+    if spec.get("tokenizer"):
+        from mlx_lm.utils import load_tokenizer
+
+        tokenizer = load_tokenizer(model, eos_token_ids=read_config(model).get("eos_token_id"))
+    try:
+        result = run_scenario(runner, control, tokenizer, spec)
+    finally:
+        control.send({"op": "stop"})
+    Path(out_path).write_text(json.dumps(result))
+
+
+def run_ranks(spec: dict, tmp: Path, timeout: float = 180.0) -> dict:
+    """Runs `spec` on two ring ranks on loopback; returns rank 0's `run_scenario` result."""
+    spec_file, out_file, hosts = tmp / "spec.json", tmp / "out.json", tmp / "hosts.json"
+    spec_file.write_text(json.dumps(spec))
+    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+    procs, logs = [], [tmp / f"rank{r}.log" for r in range(2)]
+    try:
+        for rank in range(2):
+            env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hosts)}
+            with logs[rank].open("w") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, __file__, str(spec_file), str(out_file)],
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        preexec_fn=lambda: child_setup(None),
+                    )
+                )
+        codes = [p.wait(timeout=timeout) for p in procs]
+        assert codes == [0, 0], "\n".join(f.read_text()[-3000:] for f in logs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return json.loads(out_file.read_text())
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
