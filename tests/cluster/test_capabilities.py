@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import socket
+import subprocess
 from pathlib import Path
 
 import mlx.core as mx
@@ -144,6 +146,8 @@ def test_real_node_info_on_this_machine():
     assert info.memory_total_bytes == total_kib * 1024
     assert 0 < info.memory_available_bytes <= info.memory_total_bytes
     assert info.mem_bw_Bps > 0 and info.flops > 0
+    if len(os.sched_getaffinity(0)) > 1:
+        assert info.core_mem_bw_Bps > 0 and info.core_flops > 0
     assert "ring" in info.backends
     assert all(i.kind != "loopback" and not i.address.startswith("127.") for i in info.interfaces)
 
@@ -182,3 +186,27 @@ def test_agents_on_one_machine_measure_one_at_a_time(tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+def test_pinned_speed_is_measured_as_a_pinned_rank_runs(monkeypatch):
+    """The child runs on the given core with one BLAS thread and the ranks' fast BLAS."""
+    from thunderpool.cluster import capabilities
+    from thunderpool.cluster.blas import fast_blas_env
+
+    seen = {}
+
+    def fake_run(argv, env, **kw):
+        seen.update(argv=argv, env=env)
+        return subprocess.CompletedProcess(argv, 0, stdout="4e9 6e10\n")
+
+    monkeypatch.setattr(capabilities.subprocess, "run", fake_run)
+    assert capabilities.measure_rank_speed(2**24, core=1) == (4e9, 6e10)
+    assert seen["argv"][-2:] == [str(2**24), "1"]
+    assert seen["env"]["OPENBLAS_NUM_THREADS"] == "1"
+    assert all(seen["env"][k] == v for k, v in fast_blas_env().items())
+
+    def failing(argv, env, **kw):
+        raise subprocess.TimeoutExpired(argv, 120)
+
+    monkeypatch.setattr(capabilities.subprocess, "run", failing)
+    assert capabilities.measure_rank_speed(2**24, core=1) == (0.0, 0.0)  # planner keeps its rates

@@ -1,5 +1,7 @@
 """Placement: only plans that fit, ranked by predicted decode speed, refusals that say why."""
 
+from dataclasses import replace
+
 import pytest
 
 from thunderpool.planner.cost import LinkSpec, NodeSpec, Stage, predict
@@ -169,3 +171,26 @@ def test_co_located_tp_ranks_split_the_host_bandwidth():
     on_two = predict(spec, tp, {n.name: n for n in apart}, link)
     # Two ranks on one box each stream at 5e9 / 2 instead of 4e9: memory time grows by 1.6x.
     assert on_one.breakdown.memory_s == pytest.approx(on_two.breakdown.memory_s * 1.6, rel=1e-9)
+
+
+def test_co_located_pp_stages_run_at_the_pinned_core_rates():
+    """Two stages on one 2-core box are pinned to a core each, so each runs at what one core
+    with one BLAS thread reaches, not at the whole machine's rate (they take turns)."""
+    spec = model_spec_from_config(LLAMA_8B)
+    link = [LinkSpec("x", "y", 2e-5, 5e9, "loopback")]
+    half = spec.layers // 2
+    pp = [Stage(("x",), (0, half), (1.0,)), Stage(("y",), (half, spec.layers), (1.0,))]
+    pinned = {"core_mem_bw_Bps": 1e9, "core_flops": 1e10}
+    shared = {n: replace(_box(n, "box", 40), **pinned) for n in "xy"}
+    apart = {n: replace(_box(n, f"box-{n}", 40), **pinned) for n in "xy"}
+    on_one, on_two = predict(spec, pp, shared, link), predict(spec, pp, apart, link)
+    assert on_one.breakdown.memory_s == pytest.approx(on_two.breakdown.memory_s * 4, rel=1e-9)
+    assert on_one.ttft_s > 4 * on_two.ttft_s  # prefill: 5e10 -> 1e10 FLOP/s (links alike)
+    # More ranks than cores: nothing is pinned, each stage keeps the machine's rates.
+    three = {**shared, "z": replace(_box("z", "box", 40), **pinned)}
+    loops = link + [LinkSpec(a, "z", 2e-5, 5e9, "loopback") for a in "xy"]
+    cuts = {"x": (0, 10), "y": (10, 20), "z": (20, spec.layers)}
+    thirds = [Stage((n,), cut, (1.0,)) for n, cut in cuts.items()]
+    crowded = predict(spec, thirds, three, loops)
+    loose = predict(spec, thirds, {n: replace(v, host="") for n, v in three.items()}, loops)
+    assert crowded.breakdown.memory_s == pytest.approx(loose.breakdown.memory_s, rel=1e-9)

@@ -278,17 +278,21 @@ def rank_env(**extra: str) -> dict[str, str]:
     return {**os.environ, **fast_blas_env(), **extra}
 
 
-def measure_rank_speed(nbytes: int) -> tuple[float, float]:
+def measure_rank_speed(nbytes: int, core: int | None = None) -> tuple[float, float]:
     """(GEMV bytes/s, matmul FLOP/s) measured in a child with the ranks' environment; in this
-    process if the child fails."""
+    process if the child fails. With `core`, the child runs as a pinned rank does: on that core
+    alone with one BLAS thread ((0, 0) if it fails: the planner then keeps the unpinned rates)."""
+    from thunderpool.cluster.launch import one_core_env
+
     code = (
-        "import sys; from thunderpool.cluster import capabilities as c; "
+        "import os, sys; from thunderpool.cluster import capabilities as c; "
+        "core = int(sys.argv[2]); core >= 0 and os.sched_setaffinity(0, {core}); "
         "print(c.measure_memory_bandwidth(int(sys.argv[1])), c.measure_matmul_flops())"
     )
     try:
         done = subprocess.run(
-            [sys.executable, "-c", code, str(nbytes)],
-            env=rank_env(),
+            [sys.executable, "-c", code, str(nbytes), str(-1 if core is None else core)],
+            env=rank_env(**one_core_env(core)),
             capture_output=True,
             text=True,
             timeout=120,
@@ -297,6 +301,8 @@ def measure_rank_speed(nbytes: int) -> tuple[float, float]:
         bw, flops = (float(x) for x in done.stdout.split())
         return bw, flops
     except (OSError, ValueError, subprocess.SubprocessError):
+        if core is not None:
+            return 0.0, 0.0
         return measure_memory_bandwidth(nbytes), measure_matmul_flops()
 
 
@@ -404,11 +410,14 @@ def node_info(
             _output(run, "ip", "-j", "addr") or "[]", root / "sys/class/net"
         )
     rdma = macos is not None and macos >= RDMA_MIN_MACOS and rdma_enabled
-    mem_bw, flops, host_bw = 0.0, 0.0, 0.0
+    mem_bw, flops, host_bw, core_bw, core_flops = 0.0, 0.0, 0.0, 0.0, 0.0
     if measure:
         with measuring_alone():
             mem_bw, flops = measure_rank_speed(_copy_size(available))
             host_bw = measure_host_bandwidth(os.cpu_count() or 1)
+            cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+            if len(cores) > 1:  # ranks are pinned only where the OS lets us (Linux)
+                core_bw, core_flops = measure_rank_speed(_copy_size(available), cores[0])
     has_mpirun = run(("mpirun", "--version"))[0] == 0
     return NodeInfo(
         node_id=node_id,
@@ -424,6 +433,8 @@ def node_info(
         memory_available_bytes=available,
         mem_bw_Bps=mem_bw,
         host_mem_bw_Bps=host_bw,
+        core_mem_bw_Bps=core_bw,
+        core_flops=core_flops,
         host_id=host_id(system == "Darwin", run, root),
         flops=flops,
         backends=backends(macos, rdma, has_mpirun),

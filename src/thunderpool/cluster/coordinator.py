@@ -29,7 +29,7 @@ from thunderpool.cluster.messages import (
 from thunderpool.cluster.state import ClusterState, apply
 from thunderpool.engine.job import RankJob
 from thunderpool.errors import LaunchError, ThunderpoolError
-from thunderpool.planner.cost import LinkSpec, NodeSpec
+from thunderpool.planner.cost import LinkSpec, NodeSpec, pins_cores
 from thunderpool.planner.placement import Plan
 from thunderpool.planner.presets import live_collective_overhead_s, live_op_latency_s
 
@@ -126,6 +126,8 @@ def node_specs(state: ClusterState) -> tuple[list[NodeSpec], list[LinkSpec]]:
             host=n.host_id,
             cores=n.cpu_count,
             host_mem_bw_Bps=n.host_mem_bw_Bps,
+            core_mem_bw_Bps=n.core_mem_bw_Bps,
+            core_flops=n.core_flops,
             op_latency_s=live_op_latency_s(n.chip),
         )
         for n in state.nodes.values()
@@ -204,8 +206,7 @@ def core_assignment(state: ClusterState, order: list[str]) -> dict[int, int]:
             by_host.setdefault(host, []).append(rank)
     cpus = {}
     for ranks in by_host.values():
-        cores = state.nodes[order[ranks[0]]].cpu_count
-        if 1 < len(ranks) <= cores:
+        if pins_cores(len(ranks), state.nodes[order[ranks[0]]].cpu_count):
             cpus.update({rank: i for i, rank in enumerate(ranks)})
     return cpus
 

@@ -42,6 +42,9 @@ class NodeInfo(Wire):
     memory_available_bytes: int
     mem_bw_Bps: float = 0.0  # quick measured memory bandwidth (one rank streaming weights)
     host_mem_bw_Bps: float = 0.0  # the same with every core streaming at once
+    # What a rank pinned to one core with one BLAS thread gets (ranks sharing a machine are).
+    core_mem_bw_Bps: float = 0.0
+    core_flops: float = 0.0
     host_id: str = ""  # equal for agents sharing one machine (e.g. network namespaces)
     flops: float = 0.0  # quick measured fp32 matmul FLOP/s
     backends: tuple[str, ...] = ("ring",)  # MLX distributed backends usable here

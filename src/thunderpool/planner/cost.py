@@ -50,6 +50,9 @@ class NodeSpec:
     host: str = ""
     cores: int = 0
     host_mem_bw_Bps: float = 0.0
+    # A rank pinned to one core (see pins_cores) streams and computes at these rates instead.
+    core_mem_bw_Bps: float = 0.0
+    core_flops: float = 0.0
 
     def __post_init__(self):
         if self.mem_bw_Bps <= 0 or self.flops <= 0:
@@ -235,7 +238,7 @@ def predict(
                 spec,
                 stage,
                 s,
-                _concurrent(nodes, stage, s.node),
+                _as_run(nodes, stages, stage, s.node),
                 head_share(stages, k, s),
                 batch,
                 prompt_tokens,
@@ -251,7 +254,12 @@ def predict(
         prefill += max(
             max(
                 _prefill_time(
-                    spec, stage, s, nodes[s.node], head_share(stages, k, s), prompt_tokens
+                    spec,
+                    stage,
+                    s,
+                    _as_run(nodes, stages, stage, s.node),
+                    head_share(stages, k, s),
+                    prompt_tokens,
                 )
             )
             for s in ranks
@@ -294,10 +302,26 @@ def predict(
     )
 
 
-def _concurrent(nodes: dict[str, NodeSpec], stage: Stage, name: str) -> NodeSpec:
-    """The node as one TP rank sees it while its co-located peers run at the same time."""
+def pins_cores(ranks_on_host: int, cores: int) -> bool:
+    """Ranks sharing a machine each get a core of their own when there are enough: ring ranks
+    busy-poll, so two on one core stall each other's collectives (coordinator.core_assignment)."""
+    return 1 < ranks_on_host <= cores
+
+
+def _as_run(
+    nodes: dict[str, NodeSpec], stages: tuple[Stage, ...] | list[Stage], stage: Stage, name: str
+) -> NodeSpec:
+    """The node as its rank in this plan sees it: pinned to one core when the plan puts
+    several ranks on its machine, and sharing the machine's bandwidth with co-located peers of
+    its TP stage, which run at the same time (PP stages take turns)."""
     node = nodes[name]
-    k = sum(1 for n in stage.nodes if node.host and nodes[n].host == node.host)
+    if not node.host:
+        return node
+    on_host = sum(1 for s in stages for n in s.nodes if nodes[n].host == node.host)
+    if pins_cores(on_host, node.cores) and node.core_mem_bw_Bps > 0:
+        flops = node.core_flops or node.flops
+        node = replace(node, mem_bw_Bps=node.core_mem_bw_Bps, flops=flops)
+    k = sum(1 for n in stage.nodes if nodes[n].host == node.host)
     if k <= 1 or node.host_mem_bw_Bps <= 0:
         return node
     return replace(node, mem_bw_Bps=min(node.mem_bw_Bps, node.host_mem_bw_Bps / k))
