@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from conftest import run_trace, tiny_prompts
 
-from thunderpool.cluster.blas import core_type, fast_blas_env
+from thunderpool.cluster.blas import blas_env, core_type, installed, passes_self_test
 
 
 def test_core_type_from_cpu_flags():
@@ -16,10 +18,35 @@ def test_core_type_from_cpu_flags():
     assert core_type("") is None
 
 
-@pytest.mark.skipif(not fast_blas_env(), reason="no optimized BLAS passed the self-test here")
-def test_fast_blas_matches_the_bundled_one(tiny_models, tmp_path):
+def test_blis_gets_threads_and_openblas_its_kernel_family(monkeypatch):
+    monkeypatch.delenv("BLIS_NUM_THREADS", raising=False)
+    monkeypatch.setenv("LD_PRELOAD", "/other.so")
+    blis = blas_env("/usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4")
+    assert blis["LD_PRELOAD"].split() == [
+        "/usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4",
+        "/other.so",
+    ]
+    assert blis["BLIS_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))
+    assert "OPENBLAS_CORETYPE" not in blis
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Zen")  # the user's choice is kept
+    openblas = blas_env("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
+    assert "OPENBLAS_CORETYPE" not in openblas and "BLIS_NUM_THREADS" not in openblas
+
+
+def test_a_library_that_cannot_load_fails_the_self_test(tmp_path):
+    bogus = tmp_path / "libnot-a-blas.so"
+    bogus.write_bytes(b"not an ELF file")
+    assert not passes_self_test(blas_env(str(bogus)))
+
+
+@pytest.mark.parametrize("library", installed() or [pytest.param("", marks=pytest.mark.skip)])
+def test_each_fast_blas_matches_the_bundled_one(library, tiny_models, tmp_path):
+    """Every library ranks may preload gives the bundled BLAS's logits and tokens."""
+    env = blas_env(library)
+    if not passes_self_test(env):
+        pytest.skip(f"{library} does not pass the self-test here")
     prompts = tiny_prompts(2) + [list(range(200))]  # a long prompt: a real GEMM in prefill
-    fast = run_trace(tiny_models["qwen3"], tmp_path / "f.npz", 2, "tp", prompts=prompts)
+    fast = run_trace(tiny_models["qwen3"], tmp_path / "f.npz", 2, "tp", prompts=prompts, env=env)
     ref = run_trace(
         tiny_models["qwen3"],
         tmp_path / "r.npz",

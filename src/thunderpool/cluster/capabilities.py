@@ -310,6 +310,8 @@ def measure_host_bandwidth(procs: int, seconds: float = 0.6) -> float:
     """Aggregate GEMV bandwidth with `procs` processes streaming at once: what co-located
     ranks share (on many machines one core cannot saturate the memory bus, or all can). Each
     runs one BLAS thread, as a rank pinned to one core does."""
+    from thunderpool.cluster.launch import one_core_env
+
     start = time.time() + 3.0  # time for every process to import MLX and warm up
     code = (
         "import sys; from thunderpool.cluster.capabilities import _gemv_rate; "
@@ -321,7 +323,7 @@ def measure_host_bandwidth(procs: int, seconds: float = 0.6) -> float:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
-            env=rank_env(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1"),
+            env=rank_env(**one_core_env(0)),
         )
         for _ in range(procs)
     ]

@@ -115,7 +115,9 @@ def child_setup(cpu: int | None) -> None:
 
 def one_core_env(cpu: int | None) -> dict[str, str]:
     """A rank pinned to one core must not start BLAS threads for cores it cannot use."""
-    return {} if cpu is None else {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    if cpu is None:
+        return {}
+    return {"OPENBLAS_NUM_THREADS": "1", "BLIS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
 
 
 def _cpus() -> list[int]:
