@@ -205,6 +205,14 @@ def test_node_specs_carry_the_calibrated_fixed_costs():
     )
 
 
+def test_a_measured_op_latency_replaces_the_calibrated_one():
+    from thunderpool.cluster.coordinator import node_specs
+
+    measured = node("a", "10.0.0.1").model_copy(update={"op_latency_s": 4e-5})
+    s = apply(ClusterState(), Hello(node=measured, contact="10.0.0.1:7070"))
+    assert node_specs(s)[0][0].op_latency_s == 4e-5
+
+
 def test_node_specs_carry_the_pinned_core_rates():
     """What one pinned core reaches, as the agent measured it, reaches the planner unchanged."""
     from thunderpool.cluster.coordinator import node_specs

@@ -278,16 +278,52 @@ def rank_env(**extra: str) -> dict[str, str]:
     return {**os.environ, **fast_blas_env(), **extra}
 
 
-def measure_rank_speed(nbytes: int, core: int | None = None) -> tuple[float, float]:
-    """(GEMV bytes/s, matmul FLOP/s) measured in a child with the ranks' environment; in this
-    process if the child fails. With `core`, the child runs as a pinned rank does: on that core
-    alone with one BLAS thread ((0, 0) if it fails: the planner then keeps the unpinned rates)."""
+def measure_op_latency(layers: int = 16, steps: int = 20) -> float:
+    """Seconds a decode step spends per weight matmul besides streaming weights, on MLX's CPU
+    backend (0 elsewhere: the GPU families have calibrated values). A tiny llama of mlx-lm's
+    own blocks, whose weights stay in cache, decodes token by token; the time of all its ops
+    (norms, RoPE, attention, activations) is charged to its 7 matmuls per layer, as the cost
+    model charges op_latency_s."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if mx.default_device() != mx.cpu:
+        return 0.0
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=layers,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=256,
+    )
+    model = llama.Model(args)
+    cache = make_prompt_cache(model)
+    mx.eval(model.parameters(), model(mx.array([[1, 2, 3, 4]]), cache=cache))
+    times = []
+    for _ in range(steps):
+        out = model(mx.array([[5]]), cache=cache)  # built apart: the engine builds ahead
+        start = time.perf_counter()
+        mx.eval(out)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[steps // 2] / (7 * layers + 1)
+
+
+def measure_rank_speed(nbytes: int, core: int | None = None) -> tuple[float, float, float]:
+    """(GEMV bytes/s, matmul FLOP/s, seconds per matmul of fixed cost) measured in a child with
+    the ranks' environment; in this process if the child fails. With `core`, the child runs as
+    a pinned rank does: on that core alone with one BLAS thread ((0, 0, 0) if it fails: the
+    planner then keeps the unpinned rates)."""
     from thunderpool.cluster.launch import one_core_env
 
     code = (
         "import os, sys; from thunderpool.cluster import capabilities as c; "
         "core = int(sys.argv[2]); core >= 0 and os.sched_setaffinity(0, {core}); "
-        "print(c.measure_memory_bandwidth(int(sys.argv[1])), c.measure_matmul_flops())"
+        "print(c.measure_memory_bandwidth(int(sys.argv[1])), c.measure_matmul_flops(), "
+        "c.measure_op_latency())"
     )
     try:
         done = subprocess.run(
@@ -298,12 +334,12 @@ def measure_rank_speed(nbytes: int, core: int | None = None) -> tuple[float, flo
             timeout=120,
             check=True,
         )
-        bw, flops = (float(x) for x in done.stdout.split())
-        return bw, flops
+        bw, flops, op_latency = (float(x) for x in done.stdout.split())
+        return bw, flops, op_latency
     except (OSError, ValueError, subprocess.SubprocessError):
         if core is not None:
-            return 0.0, 0.0
-        return measure_memory_bandwidth(nbytes), measure_matmul_flops()
+            return 0.0, 0.0, 0.0
+        return measure_memory_bandwidth(nbytes), measure_matmul_flops(), measure_op_latency()
 
 
 def measure_host_bandwidth(procs: int, seconds: float = 0.6) -> float:
@@ -412,14 +448,14 @@ def node_info(
             _output(run, "ip", "-j", "addr") or "[]", root / "sys/class/net"
         )
     rdma = macos is not None and macos >= RDMA_MIN_MACOS and rdma_enabled
-    mem_bw, flops, host_bw, core_bw, core_flops = 0.0, 0.0, 0.0, 0.0, 0.0
+    mem_bw, flops, op_latency, host_bw, core_bw, core_flops = (0.0,) * 6
     if measure:
         with measuring_alone():
-            mem_bw, flops = measure_rank_speed(_copy_size(available))
+            mem_bw, flops, op_latency = measure_rank_speed(_copy_size(available))
             host_bw = measure_host_bandwidth(os.cpu_count() or 1)
             cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
             if len(cores) > 1:  # ranks are pinned only where the OS lets us (Linux)
-                core_bw, core_flops = measure_rank_speed(_copy_size(available), cores[0])
+                core_bw, core_flops, _ = measure_rank_speed(_copy_size(available), cores[0])
     has_mpirun = run(("mpirun", "--version"))[0] == 0
     return NodeInfo(
         node_id=node_id,
@@ -437,6 +473,7 @@ def node_info(
         host_mem_bw_Bps=host_bw,
         core_mem_bw_Bps=core_bw,
         core_flops=core_flops,
+        op_latency_s=op_latency,
         host_id=host_id(system == "Darwin", run, root),
         flops=flops,
         backends=backends(macos, rdma, has_mpirun),

@@ -113,9 +113,9 @@ class Coordinator:
 def node_specs(state: ClusterState) -> tuple[list[NodeSpec], list[LinkSpec]]:
     """The planner's view: nodes by id, links with one-way latency (half the measured RTT).
 
-    Measured bandwidths and latencies miss two fixed costs a decode step pays, which come from
-    the simulator's calibration instead: per weight matmul (by chip) and per collective (by
-    link kind)."""
+    Measured bandwidths and latencies miss two fixed costs a decode step pays: per weight
+    matmul (as the agent measured it on MLX's CPU backend, else calibrated by chip) and per
+    collective (calibrated by link kind)."""
     nodes = [
         NodeSpec(
             name=n.node_id,
@@ -128,7 +128,7 @@ def node_specs(state: ClusterState) -> tuple[list[NodeSpec], list[LinkSpec]]:
             host_mem_bw_Bps=n.host_mem_bw_Bps,
             core_mem_bw_Bps=n.core_mem_bw_Bps,
             core_flops=n.core_flops,
-            op_latency_s=live_op_latency_s(n.chip),
+            op_latency_s=n.op_latency_s or live_op_latency_s(n.chip),
         )
         for n in state.nodes.values()
     ]

@@ -45,6 +45,9 @@ class NodeInfo(Wire):
     # What a rank pinned to one core with one BLAS thread gets (ranks sharing a machine are).
     core_mem_bw_Bps: float = 0.0
     core_flops: float = 0.0
+    # A decode step's fixed cost per weight matmul, measured where no calibration exists
+    # (MLX's CPU backend); 0: the planner takes the calibrated value for the chip.
+    op_latency_s: float = 0.0
     host_id: str = ""  # equal for agents sharing one machine (e.g. network namespaces)
     flops: float = 0.0  # quick measured fp32 matmul FLOP/s
     backends: tuple[str, ...] = ("ring",)  # MLX distributed backends usable here
