@@ -1,7 +1,8 @@
 """Serve's continuous batching driven in token time, in process on one rank or on real ranks.
 
 A scenario is JSON: requests (token prompts, sampling) that arrive when a given request has
-emitted n tokens, cancellations at a request's n-th token, an optional eos override. Arrivals
+emitted n tokens, cancellations at a request's n-th token, an optional eos override, and
+`pipeline` (None: each rank's default, batch.overlaps). Arrivals
 and cancellations happen inside the emit callback, so inside a decode burst when one runs.
 `run_ranks` starts two rank processes (MLX ring on loopback, with a timeout); rank 0 drives
 the Scheduler and rank 1 follows: `python batch_ranks.py SPEC.json OUT.json`.
@@ -21,8 +22,8 @@ import mlx.core as mx
 
 from thunderpool.bench.breakdown import counting_collectives
 from thunderpool.cluster.launch import child_setup, free_ports
+from thunderpool.engine import engine
 from thunderpool.engine.control import Control
-from thunderpool.engine.engine import follow
 from thunderpool.engine.loader import Layout, load_shard, read_config
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.scheduler import Scheduler
@@ -38,6 +39,7 @@ def run_scenario(runner, control: Control, tokenizer, spec: dict) -> dict:
         tokenizer,
         prefill_chunk=spec.get("prefill_chunk", 16),
         max_batch=spec.get("max_batch", 8),
+        pipeline=spec.get("pipeline"),
     )
     if spec.get("eos") is not None:
         sched.eos = set(spec["eos"])
@@ -110,7 +112,9 @@ def main(spec_path: str, out_path: str) -> None:
     runner, config, _ = load_shard(model, group, Layout(spec.get("parallel", "tp")))
     control = Control(group)
     if group.rank() != 0:
-        follow(runner, control)
+        if spec.get("pipeline") is not None:
+            engine.overlaps = lambda runner: spec["pipeline"]  # the follower's choice too
+        engine.follow(runner, control)
         return
     tokenizer = None
     if spec.get("tokenizer"):

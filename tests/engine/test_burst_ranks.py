@@ -80,8 +80,14 @@ def until_eos(tokens: list[int], eos: list[int]) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["tp", "pp"])
-def test_requests_joining_and_leaving_bursts_equal_alone(tiny_chat, one_rank, tmp_path, parallel):
+@pytest.mark.parametrize(
+    ("parallel", "pipeline"), [("tp", None), ("tp", True), ("pp", None)], ids=str
+)
+def test_requests_joining_and_leaving_bursts_equal_alone(
+    tiny_chat, one_rank, tmp_path, parallel, pipeline
+):
+    """`pipeline` None: each rank's default (batch.overlaps: steps one after the other on CPU
+    ranks); True: every rank builds step k+1 while step k computes."""
     spec, refs = scenario(tiny_chat, one_rank)
     expected = [alone(one_rank, spec, i) for i in range(len(spec["requests"]))]
     # Alone equals the single-stream engine: exactly, up to each request's end.
@@ -97,14 +103,14 @@ def test_requests_joining_and_leaving_bursts_equal_alone(tiny_chat, one_rank, tm
     assert stopped["tokens"] == refs[STOPPED][: len(stopped["tokens"])]
     assert len(stopped["tokens"]) < 30
 
-    got = run_ranks(spec | {"parallel": parallel}, tmp_path)
+    got = run_ranks(spec | {"parallel": parallel, "pipeline": pipeline}, tmp_path)
     assert got["out"] == expected
     assert got["left"] == [[], True, 0]  # every row left the batch on the leader
-    # Every arrival, the cancellation and every end came inside a burst (right after a burst
-    # step was issued), and most decode steps were burst steps.
+    # Every arrival, the cancellation and every end came inside a burst (after its "step+"
+    # command or a burst step, never after a plain "step"); most steps were burst steps.
     events = got["events"]
     for at, e in enumerate(events):
         if isinstance(e, list) and at > 0:
-            assert [c for c in events[:at] if isinstance(c, str)][-1] == "x", (e, events)
+            assert [c for c in events[:at] if isinstance(c, str)][-1] in ("x", "step+"), (e, events)
     control = [e for e in events if isinstance(e, str)]
     assert control.count("x") > 2 * (control.count("step") + control.count("step+"))

@@ -81,22 +81,29 @@ def _minus(after: dict, before: dict) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_two_ranks_count_per_serve_decode_step(tiny_models, tmp_path, kind):
+@pytest.mark.parametrize(("kind", "pipeline"), [("llama", True), ("llama", False), ("qwen3", None)])
+def test_two_ranks_count_per_serve_decode_step(tiny_models, tmp_path, kind, pipeline):
     """One request through serve's scheduler on 2 TP ranks: the prefill, one "step" command
-    that starts a burst, then burst steps. Between two tokens of the burst the leader builds
-    exactly one step: 2 all_sums per layer + the exchange, and the logits' all_gather."""
+    that starts a burst, then burst steps, each built exactly once: 2 all_sums per layer + the
+    exchange, and the logits' all_gather. Pipelined, the leader builds step k+1 before it
+    delivers token k, so the first "token gap" holds two steps and the last none."""
     request = {"prompt": list(range(3, 20)), "params": {"max_tokens": 8}}
     spec = {"model": str(tiny_models[kind]), "requests": [request], "count": True}
-    got = run_ranks(spec, tmp_path)
+    got = run_ranks(spec | {"pipeline": pipeline}, tmp_path)
     steps = ["pre", "pre", "step+", *["x"] * 6]  # 17 prompt tokens in chunks of 16
     assert got["events"] == [["submit", 0], *steps, ["finish", 0], "step"]
     per_token = got["per_token"]  # (collectives by op, Control.collectives) at each token
     assert len(per_token) == 8
-    for before, after in zip(per_token[1:6], per_token[2:7], strict=True):
-        assert _minus(after[0], before[0]) == TP_STEP
-        assert after[1] - before[1] == 1
-    assert per_token[7] == per_token[6]  # the last token: nothing more was issued
+    gaps = [
+        (_minus(after[0], before[0]), after[1] - before[1])
+        for before, after in zip(per_token, per_token[1:], strict=False)
+    ]
+    one = (TP_STEP, 1)
+    if pipeline:
+        double = ({k: 2 * n for k, n in TP_STEP.items()}, 2)
+        assert gaps == [double, *[one] * 5, ({}, 0)]
+    else:  # the default on CPU ranks (batch.overlaps)
+        assert gaps == [one] * 7
     # 7 decode forwards after the prefill, each with exactly one control collective: the
     # "step" command's JSON, then 6 exchanges.
     assert per_token[7][1] - per_token[0][1] == 7

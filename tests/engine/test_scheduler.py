@@ -31,15 +31,22 @@ def runner(request, tiny_models):
     return runner
 
 
+@pytest.fixture(params=[True, False], ids=["pipelined", "serial"])
+def pipeline(request) -> bool:
+    """A burst builds step k+1 while step k computes, or after it (batch.overlaps)."""
+    return request.param
+
+
 def one_at_a_time(runner, prompt, params) -> list[int]:
     leader = Leader(runner, Control(runner.group), prefill_chunk=16)
     return [s.token for s in leader.generate_ids(prompt, params)]
 
 
-def run_batched(runner, requests, arrivals, cancel=None):
+def run_batched(runner, requests, arrivals, cancel=None, pipeline=None):
     """Submit request i before step arrivals[i]; cancel=(i, n) cancels request i as its n-th
     token arrives (inside a decode burst, when one runs)."""
-    sched = Scheduler(runner, Control(runner.group), None, prefill_chunk=16, max_batch=8)
+    control = Control(runner.group)
+    sched = Scheduler(runner, control, None, prefill_chunk=16, max_batch=8, pipeline=pipeline)
     out = {i: [] for i in range(len(requests))}
     done = {}
     ids = {}
@@ -65,11 +72,13 @@ def run_batched(runner, requests, arrivals, cancel=None):
     return out, done, sched, max_rows
 
 
-def test_eight_concurrent_equal_one_at_a_time(runner):
+def test_eight_concurrent_equal_one_at_a_time(runner, pipeline):
     params = [SamplingParams(max_tokens=8 + 3 * i) for i in range(8)]
     reqs = list(zip(prompts(8), params, strict=True))
     expected = [one_at_a_time(runner, p, sp) for p, sp in reqs]
-    out, done, sched, max_rows = run_batched(runner, reqs, arrivals=[0, 0, 1, 2, 2, 5, 9, 14])
+    out, done, sched, max_rows = run_batched(
+        runner, reqs, arrivals=[0, 0, 1, 2, 2, 5, 9, 14], pipeline=pipeline
+    )
     assert [out[i] for i in range(8)] == expected
     assert all(done[i].finish_reason == "length" for i in range(8))
     assert [done[i].completion_tokens for i in range(8)] == [p.max_tokens for p in params]
@@ -77,30 +86,32 @@ def test_eight_concurrent_equal_one_at_a_time(runner):
     assert sched.state.rows == [] and sched.state.batch is None and not sched.state.pending
 
 
-def test_cancelled_request_leaves_the_batch(runner):
+def test_cancelled_request_leaves_the_batch(runner, pipeline):
     params = SamplingParams(max_tokens=30)
     reqs = [(p, params) for p in prompts(3, seed=9)]
     expected = [one_at_a_time(runner, p, params) for p, _ in reqs]
-    out, done, sched, _ = run_batched(runner, reqs, arrivals=[0, 0, 0], cancel=(1, 8))
+    out, done, sched, _ = run_batched(
+        runner, reqs, arrivals=[0, 0, 0], cancel=(1, 8), pipeline=pipeline
+    )
     assert 1 not in done and out[1] == expected[1][:8]  # nothing after the cancellation
     assert out[0] == expected[0] and out[2] == expected[2]
     assert sched.state.rows == []
 
 
-def test_seeded_sampling_is_the_same_alone_and_batched(runner):
+def test_seeded_sampling_is_the_same_alone_and_batched(runner, pipeline):
     hot = SamplingParams(max_tokens=12, temperature=1.2, top_k=40, seed=3)
     reqs = [(p, hot) for p in prompts(3, seed=2)]
     alone = [one_at_a_time(runner, p, hot) for p, _ in reqs]
-    out, _, _, _ = run_batched(runner, reqs, arrivals=[0, 1, 1])
+    out, _, _, _ = run_batched(runner, reqs, arrivals=[0, 1, 1], pipeline=pipeline)
     assert [out[i] for i in range(3)] == alone
 
 
-def test_a_burst_runs_no_step_past_max_tokens(runner):
+def test_a_burst_runs_no_step_past_max_tokens(runner, pipeline):
     """One prefill, one "step" that starts a burst, then exactly max_tokens - 2 burst steps;
     two rows: the burst ends on the shorter row's last token, which then leaves the batch."""
     prompt = prompts(2, seed=5)
     control = Control(runner.group)
-    spec = {"requests": [{"prompt": prompt[0], "params": {"max_tokens": 9}}]}
+    spec = {"requests": [{"prompt": prompt[0], "params": {"max_tokens": 9}}], "pipeline": pipeline}
     got = run_scenario(runner, control, None, spec)
     steps = ["pre"] * ((len(prompt[0]) + 15) // 16 - 1) + ["pre", "step+"] + ["x"] * 7
     assert got["events"] == [["submit", 0], *steps, ["finish", 0], "step"]
@@ -108,7 +119,7 @@ def test_a_burst_runs_no_step_past_max_tokens(runner):
     two = [
         {"prompt": p, "params": {"max_tokens": n}} for p, n in zip(prompt, (14, 20), strict=True)
     ]
-    got = run_scenario(runner, control, None, {"requests": two})
+    got = run_scenario(runner, control, None, {"requests": two, "pipeline": pipeline})
     events = got["events"]
     assert events[events.index(["finish", 0]) + 1] == "step+"  # no burst step after its last
     assert events[-3:] == ["x", ["finish", 1], "step"]
@@ -118,7 +129,7 @@ def test_a_burst_runs_no_step_past_max_tokens(runner):
     assert got["left"] == [[], True, 0]
 
 
-def test_arrivals_eos_and_cancel_mid_burst_equal_one_at_a_time(runner):
+def test_arrivals_eos_and_cancel_mid_burst_equal_one_at_a_time(runner, pipeline):
     """Requests submitted and cancelled from inside a burst (at some request's n-th token),
     one that meets eos mid-burst and a seeded hot one: each gets exactly its tokens alone."""
     hot = {"max_tokens": 16, "temperature": 1.1, "top_k": 30, "seed": 11}
@@ -133,14 +144,16 @@ def test_arrivals_eos_and_cancel_mid_burst_equal_one_at_a_time(runner):
     k = next(k for k in range(5, 20) if alone[2][k] not in alone[2][:k])
     eos = alone[2][k]
     spec = {"requests": requests, "cancel": [[3, 7]], "eos": [eos], "prefill_chunk": 64}
+    spec["pipeline"] = pipeline
     got = run_scenario(runner, Control(runner.group), None, spec)
     expected = [next((t[:j] for j, x in enumerate(t) if x == eos), t) for t in alone]
     expected[3] = expected[3][:7]
     assert [o["tokens"] for o in got["out"]] == expected
     assert [o["reason"] for o in got["out"]] == ["length", "length", "stop", None, "length"]
     assert len(expected[2]) == k and len(expected[3]) == 7 and got["left"] == [[], True, 0]
-    # Every arrival, the cancellation and every end came inside a burst (after a burst step).
+    # Every arrival, the cancellation and every end came inside a burst: after its "step+"
+    # command or a burst step, never after a plain "step".
     events = got["events"]
     for at, e in enumerate(events):
         if isinstance(e, list) and at > 0:
-            assert [c for c in events[:at] if isinstance(c, str)][-1] == "x", (e, events)
+            assert [c for c in events[:at] if isinstance(c, str)][-1] in ("x", "step+"), (e, events)

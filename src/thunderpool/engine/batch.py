@@ -12,6 +12,13 @@ import mlx.core as mx
 from thunderpool.engine.runner import Runner
 
 
+def overlaps(runner: Runner) -> bool:
+    """Whether to build decode step k+1 while step k computes: yes where a GPU computes; on
+    CPU ranks the Python that builds a step takes the compute thread's core, and each rank's
+    stall then holds up the other at the next all_sum, so steps go one after the other."""
+    return mx.default_device().type == mx.DeviceType.gpu or runner.size == 1
+
+
 class BatchState:
     def __init__(self, runner: Runner):
         self.runner = runner

@@ -13,8 +13,9 @@ stops early sends stop and runs one dummy forward too.
 Serve's continuous batching (scheduler.py) sends a JSON "step" (rows to drop and join, each
 row's token) when the batch changes; when it says `more`, a decode burst follows with no JSON:
 step k is the exchange of [last, each row's token] (one int32 all_sum inside the graph) and
-the batch forward on it, pipelined the same way. Followers read `last` after issuing step k's
-forward; the leader set it when it issued the step, so no rank ever runs a dummy forward.
+the batch forward on it. Followers read `last` after issuing step k's forward; the leader set
+it when it issued the step, so no rank ever runs a dummy forward. Bursts are pipelined the
+same way where batch.overlaps says so; on CPU ranks each step waits for the one before.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from thunderpool.engine.batch import BatchState
+from thunderpool.engine.batch import BatchState, overlaps
 from thunderpool.engine.control import STOP, Control
 from thunderpool.engine.runner import Runner
 from thunderpool.engine.sampling import Sampler, SamplingParams
@@ -204,18 +205,22 @@ def follow_decode(runner: Runner, control: Control, cache: list, steps: int) -> 
 
 
 def follow_burst(runner: Runner, control: Control, batch: BatchState, out: mx.array | None) -> None:
-    """Pipelined batch decode steps after a "step" command that said `more` (its forward is
-    `out`), until the leader's exchange says last."""
-    rows = len(batch.rows)
+    """Batch decode steps after a "step" command that said `more` (its forward is `out`),
+    until the leader's exchange says last; pipelined where batch.overlaps says so."""
+    rows, pipeline = len(batch.rows), overlaps(runner)
     if out is not None:
-        mx.async_eval(out)
+        (mx.async_eval if pipeline else mx.eval)(out)
     while True:
         exchanged = control.burst_step(None, rows)
         if runner.stage is not None:
             # PP: the exchange must complete before this stage's recv, as on the leader.
             mx.eval(exchanged)
         out = batch.decode(exchanged[1:])
-        mx.async_eval(exchanged, *([out] if out is not None else []))
+        step = [exchanged, *([out] if out is not None else [])]
+        if pipeline:
+            mx.async_eval(*step)
+        else:
+            mx.eval(*step)  # this step's compute has the core before the next step is built
         if exchanged[0].item():
             break
     if out is not None:

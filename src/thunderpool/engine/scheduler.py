@@ -5,14 +5,17 @@ others for more than a chunk) and one decode step for every running row. Finishe
 cancelled requests leave the batch at the next step, which frees their KV cache on every rank.
 
 Decode bursts: when the batch only has decoding to do, the "step" command says `more`, and the
-steps after it carry no JSON. Burst step k is one in-graph int32 all_sum of [last, tokens]
-(Control.burst_step) built on step k-1's lazily sampled tokens, then the forward on the
-exchanged tokens, so every rank builds step k+1 while step k computes. The leader sets `last`
-when it issues a step: a row done for sure by max_tokens/max_context once this step's token
-is in, or a row already finished (eos, stop string), a cancellation or a request that could
-join. Followers read `last` after issuing the step's forward, so every rank runs the same
-forwards; each is a real step for every row still running (a finished row's extra step or
-two is discarded, and the next "step" command drops it).
+steps after it carry no JSON: burst step k is one int32 all_sum inside the graph of [last, each
+row's token] (Control.burst_step), then the batch forward on the exchanged tokens. The leader
+sets `last` when it issues a step: a row done for sure by max_tokens/max_context once this
+step's token is in, a row already finished (eos, stop string), a cancellation or a request
+that could join. Followers read `last` after issuing the step's forward, so every rank runs
+the same forwards, each a real step for every row still running (a finished or cancelled row's
+extra step or two is discarded, and the next "step" command drops it). Where batch.overlaps
+says so (a GPU, or one rank) a burst is pipelined: step k is built on step k-1's lazily
+sampled tokens before they are delivered, so Python builds a step while the last computes.
+On CPU ranks step k is built once step k-1's tokens are delivered. Either way is one rank's
+own choice: the collectives are the same.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from thunderpool.engine.batch import BatchState
+from thunderpool.engine.batch import BatchState, overlaps
 from thunderpool.engine.control import Control
 from thunderpool.engine.runner import Runner
 from thunderpool.engine.sampling import Sampler, SamplingParams, sample_rows
@@ -75,10 +78,12 @@ class Scheduler:
         prefill_chunk: int = 512,
         max_batch: int = 8,
         max_context: int = 4096,
+        pipeline: bool | None = None,
     ):
         self.runner, self.control, self.tokenizer = runner, control, tokenizer
         self.prefill_chunk, self.max_batch, self.max_context = prefill_chunk, max_batch, max_context
         self.state = BatchState(runner)
+        self.pipeline = overlaps(runner) if pipeline is None else pipeline
         self.eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.counters = Counters()
         self._ids = itertools.count()
@@ -168,17 +173,22 @@ class Scheduler:
         return True
 
     def _burst(self, y: mx.array, samplers: list[Sampler]) -> mx.array:
-        """Pipelined decode steps after a "step" command that said `more` (module docstring):
-        issue step k on step k-1's lazy tokens y, then deliver y. Returns the last step's."""
-        mx.async_eval(y)
+        """Decode steps after a "step" command that said `more` (module docstring); returns
+        the last step's lazy tokens. Pipelined: issue step k on step k-1's lazy tokens y, then
+        deliver y. Otherwise deliver y first, and step k knows it."""
+        if self.pipeline:
+            mx.async_eval(y)
         last = False
         while not last:
-            # Two tokens per row are ahead of the delivered ones: y and this step's.
-            last = self._burst_ends(ahead=2)
+            if not self.pipeline:
+                self._deliver_rows(y.tolist())
+            # Tokens per row ahead of the delivered ones once this step's is sampled.
+            last = self._burst_ends(ahead=2 if self.pipeline else 1)
             exchanged = self.control.burst_step(y, len(samplers), last)
             nxt = sample_rows(self.state.decode(exchanged[1:]), samplers)
-            mx.async_eval(nxt)
-            self._deliver_rows(y.tolist())
+            if self.pipeline:
+                mx.async_eval(nxt)
+                self._deliver_rows(y.tolist())
             y = nxt
         return y
 
