@@ -149,6 +149,7 @@ def test_real_node_info_on_this_machine():
     if len(os.sched_getaffinity(0)) > 1:
         assert info.core_mem_bw_Bps > 0 and info.core_flops > 0
     assert info.op_latency_s > 0  # MLX's CPU backend: measured, not calibrated
+    assert info.short_row_mem_bw_Bps > 0
     assert "ring" in info.backends
     assert all(i.kind != "loopback" and not i.address.startswith("127.") for i in info.interfaces)
 
@@ -198,10 +199,10 @@ def test_pinned_speed_is_measured_as_a_pinned_rank_runs(monkeypatch):
 
     def fake_run(argv, env, **kw):
         seen.update(argv=argv, env=env)
-        return subprocess.CompletedProcess(argv, 0, stdout="4e9 6e10 3e-05\n")
+        return subprocess.CompletedProcess(argv, 0, stdout="4e9 2e9 6e10 3e-05\n")
 
     monkeypatch.setattr(capabilities.subprocess, "run", fake_run)
-    assert capabilities.measure_rank_speed(2**24, core=1) == (4e9, 6e10, 3e-05)
+    assert capabilities.measure_rank_speed(2**24, core=1) == (4e9, 2e9, 6e10, 3e-05)
     assert seen["argv"][-2:] == [str(2**24), "1"]
     env = seen["env"]
     assert env["OPENBLAS_NUM_THREADS"] == env["BLIS_NUM_THREADS"] == "1"
@@ -211,4 +212,4 @@ def test_pinned_speed_is_measured_as_a_pinned_rank_runs(monkeypatch):
         raise subprocess.TimeoutExpired(argv, 120)
 
     monkeypatch.setattr(capabilities.subprocess, "run", failing)
-    assert capabilities.measure_rank_speed(2**24, core=1) == (0, 0, 0)  # planner keeps its rates
+    assert capabilities.measure_rank_speed(2**24, core=1) == (0, 0, 0, 0)  # planner keeps its rates

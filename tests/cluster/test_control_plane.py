@@ -218,11 +218,17 @@ def test_node_specs_carry_the_pinned_core_rates():
     from thunderpool.cluster.coordinator import node_specs
 
     pinned = node("a", "10.0.0.1").model_copy(
-        update={"core_mem_bw_Bps": 3.5e9, "core_flops": 7e10, "host_mem_bw_Bps": 9e9}
+        update={
+            "core_mem_bw_Bps": 3.5e9,
+            "core_flops": 7e10,
+            "host_mem_bw_Bps": 9e9,
+            "short_row_mem_bw_Bps": 2e9,
+        }
     )
     s = apply(ClusterState(), Hello(node=pinned, contact="10.0.0.1:7070"))
     (spec,), _ = node_specs(s)
-    assert (spec.core_mem_bw_Bps, spec.core_flops, spec.host_mem_bw_Bps) == (3.5e9, 7e10, 9e9)
+    got = (spec.core_mem_bw_Bps, spec.core_flops, spec.host_mem_bw_Bps, spec.short_row_mem_bw_Bps)
+    assert got == (3.5e9, 7e10, 9e9, 2e9)
 
 
 def test_join_waits_for_a_seed_that_is_not_up_yet_but_not_for_a_refusal():

@@ -163,3 +163,15 @@ def test_unfused_mla_attention_reads_the_latent_twice_plus_scores():
     scores = 16 * 8 * 1000 * 8  # 2-byte scores, ~8 passes, per head per cached token per layer
     extra = (cache + scores) / 100e9
     assert unfused.breakdown.memory_s - fused.breakdown.memory_s == pytest.approx(extra, rel=1e-9)
+
+
+@pytest.mark.parametrize(("hidden", "rate"), [(512, 0.5), (1024, 0.5**0.5), (2048, 1.0)])
+def test_short_weight_rows_stream_at_the_measured_short_row_rate(hidden, rate):
+    """Agents time GEMVs with rows of 512 and 4096 floats; a model's rows (its hidden size)
+    stream at the short rate at 512, the full one from 2048, geometrically between."""
+    spec = model_spec_from_config({**CONFIG, "hidden_size": hidden})
+    stage = [Stage(("a",), (0, 8), (1.0,))]
+    plain = predict(spec, stage, {"a": node("a")}, [], prompt_tokens=16)
+    short = NodeSpec("a", 64 * GiB, 60 * GiB, 100e9, 1e15, short_row_mem_bw_Bps=50e9)
+    slow = predict(spec, stage, {"a": short}, [], prompt_tokens=16)
+    assert slow.breakdown.memory_s == pytest.approx(plain.breakdown.memory_s / rate, rel=1e-12)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from thunderpool import __version__
 from thunderpool.cluster.messages import Interface, LinkKind, NodeInfo
+from thunderpool.planner.cost import LONG_ROW, SHORT_ROW
 
 Runner = Callable[[Sequence[str]], tuple[int, str]]
 
@@ -238,17 +239,20 @@ def _best_time(step: Callable[[], object], repeats: int, budget_s: float) -> flo
     return best
 
 
-def measure_memory_bandwidth(nbytes: int = 128 * 2**20, repeats: int = 3) -> float:
-    """Bytes per second an MLX fp32 matrix-vector product streams, best of `repeats`.
+def measure_memory_bandwidth(
+    nbytes: int = 128 * 2**20, repeats: int = 3, row: int = LONG_ROW
+) -> float:
+    """Bytes per second an MLX fp32 matrix-vector product streams, best of `repeats`, with
+    weight rows of `row` floats (CPU BLASes stream short rows slower: planner/cost.py).
 
     Decode is a chain of such products, so this predicts decode speed better than a raw copy
     (on Linux CPUs the mlx wheel's reference BLAS reaches a fraction of the copy bandwidth).
     """
     import mlx.core as mx
 
-    rows = nbytes // (4 * 4096)
-    w = mx.random.normal((rows, 4096), dtype=mx.float32)
-    x = mx.random.normal((1, 4096), dtype=mx.float32)
+    rows = nbytes // (4 * row)
+    w = mx.random.normal((rows, row), dtype=mx.float32)
+    x = mx.random.normal((1, row), dtype=mx.float32)
     # x @ w.T is what nn.Linear runs for one token (a different, faster kernel than w @ x).
     mx.eval(w, x, x @ w.T)  # warm-up: materialise the matrix, pick the kernel
     return w.nbytes / _best_time(lambda: mx.eval(x @ w.T), repeats, budget_s=0.5)
@@ -312,17 +316,18 @@ def measure_op_latency(layers: int = 16, steps: int = 20) -> float:
     return sorted(times)[steps // 2] / (7 * layers + 1)
 
 
-def measure_rank_speed(nbytes: int, core: int | None = None) -> tuple[float, float, float]:
-    """(GEMV bytes/s, matmul FLOP/s, seconds per matmul of fixed cost) measured in a child with
-    the ranks' environment; in this process if the child fails. With `core`, the child runs as
-    a pinned rank does: on that core alone with one BLAS thread ((0, 0, 0) if it fails: the
-    planner then keeps the unpinned rates)."""
+def measure_rank_speed(nbytes: int, core: int | None = None) -> tuple[float, float, float, float]:
+    """(GEMV bytes/s, the same with short rows, matmul FLOP/s, seconds per matmul of fixed
+    cost) measured in a child with the ranks' environment; in this process if the child fails.
+    With `core`, the child runs as a pinned rank does: on that core alone with one BLAS thread
+    (zeros if it fails: the planner then keeps the unpinned rates)."""
     from thunderpool.cluster.launch import one_core_env
 
     code = (
         "import os, sys; from thunderpool.cluster import capabilities as c; "
         "core = int(sys.argv[2]); core >= 0 and os.sched_setaffinity(0, {core}); "
-        "print(c.measure_memory_bandwidth(int(sys.argv[1])), c.measure_matmul_flops(), "
+        "n = int(sys.argv[1]); print(c.measure_memory_bandwidth(n), "
+        "c.measure_memory_bandwidth(n, row=c.SHORT_ROW), c.measure_matmul_flops(), "
         "c.measure_op_latency())"
     )
     try:
@@ -334,12 +339,13 @@ def measure_rank_speed(nbytes: int, core: int | None = None) -> tuple[float, flo
             timeout=120,
             check=True,
         )
-        bw, flops, op_latency = (float(x) for x in done.stdout.split())
-        return bw, flops, op_latency
+        bw, short_bw, flops, op_latency = (float(x) for x in done.stdout.split())
+        return bw, short_bw, flops, op_latency
     except (OSError, ValueError, subprocess.SubprocessError):
         if core is not None:
-            return 0.0, 0.0, 0.0
-        return measure_memory_bandwidth(nbytes), measure_matmul_flops(), measure_op_latency()
+            return 0.0, 0.0, 0.0, 0.0
+        short_bw = measure_memory_bandwidth(nbytes, row=SHORT_ROW)
+        return measure_memory_bandwidth(nbytes), short_bw, measure_matmul_flops(), 0.0
 
 
 def measure_host_bandwidth(procs: int, seconds: float = 0.6) -> float:
@@ -448,14 +454,14 @@ def node_info(
             _output(run, "ip", "-j", "addr") or "[]", root / "sys/class/net"
         )
     rdma = macos is not None and macos >= RDMA_MIN_MACOS and rdma_enabled
-    mem_bw, flops, op_latency, host_bw, core_bw, core_flops = (0.0,) * 6
+    mem_bw, short_bw, flops, op_latency, host_bw, core_bw, core_flops = (0.0,) * 7
     if measure:
         with measuring_alone():
-            mem_bw, flops, op_latency = measure_rank_speed(_copy_size(available))
+            mem_bw, short_bw, flops, op_latency = measure_rank_speed(_copy_size(available))
             host_bw = measure_host_bandwidth(os.cpu_count() or 1)
             cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
             if len(cores) > 1:  # ranks are pinned only where the OS lets us (Linux)
-                core_bw, core_flops, _ = measure_rank_speed(_copy_size(available), cores[0])
+                core_bw, _, core_flops, _ = measure_rank_speed(_copy_size(available), cores[0])
     has_mpirun = run(("mpirun", "--version"))[0] == 0
     return NodeInfo(
         node_id=node_id,
@@ -474,6 +480,7 @@ def node_info(
         core_mem_bw_Bps=core_bw,
         core_flops=core_flops,
         op_latency_s=op_latency,
+        short_row_mem_bw_Bps=short_bw,
         host_id=host_id(system == "Darwin", run, root),
         flops=flops,
         backends=backends(macos, rdma, has_mpirun),

@@ -128,6 +128,7 @@ def node_specs(state: ClusterState) -> tuple[list[NodeSpec], list[LinkSpec]]:
             host_mem_bw_Bps=n.host_mem_bw_Bps,
             core_mem_bw_Bps=n.core_mem_bw_Bps,
             core_flops=n.core_flops,
+            short_row_mem_bw_Bps=n.short_row_mem_bw_Bps,
             op_latency_s=n.op_latency_s or live_op_latency_s(n.chip),
         )
         for n in state.nodes.values()

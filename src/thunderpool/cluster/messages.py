@@ -48,6 +48,7 @@ class NodeInfo(Wire):
     # A decode step's fixed cost per weight matmul, measured where no calibration exists
     # (MLX's CPU backend); 0: the planner takes the calibrated value for the chip.
     op_latency_s: float = 0.0
+    short_row_mem_bw_Bps: float = 0.0  # mem_bw_Bps with weight rows of 512 floats, not 4096
     host_id: str = ""  # equal for agents sharing one machine (e.g. network namespaces)
     flops: float = 0.0  # quick measured fp32 matmul FLOP/s
     backends: tuple[str, ...] = ("ring",)  # MLX distributed backends usable here

@@ -12,6 +12,7 @@ link's fixed software overhead.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -23,6 +24,9 @@ LinkKind = Literal["rdma", "thunderbolt", "ethernet", "wifi", "loopback"]
 LINK_KINDS = ("rdma", "thunderbolt", "ethernet", "wifi", "loopback")
 
 
+# Weight rows (floats) of the two GEMVs agents time. CPU BLASes stream short rows slower (BLIS
+# here: 14 GB/s at 576, 25 at 2048 and 4096); rows of FULL_ROW or more stream at the full rate.
+SHORT_ROW, FULL_ROW, LONG_ROW = 512, 2048, 4096
 CONTROL_BYTES = 512  # engine/control.py's header: one per decode step on >1 rank
 # Unfused attention (head widths MLX's fused decode kernel lacks, e.g. MLA's 576) writes and
 # reads 2-byte scores per head per cached token ~8 times: QK, mask, softmax, PV.
@@ -53,6 +57,9 @@ class NodeSpec:
     # A rank pinned to one core (see pins_cores) streams and computes at these rates instead.
     core_mem_bw_Bps: float = 0.0
     core_flops: float = 0.0
+    # mem_bw_Bps is measured with weight rows of LONG_ROW floats; this with SHORT_ROW (0: the
+    # same). A model whose rows are shorter than FULL_ROW streams between the two (row_rate).
+    short_row_mem_bw_Bps: float = 0.0
 
     def __post_init__(self):
         if self.mem_bw_Bps <= 0 or self.flops <= 0:
@@ -238,7 +245,7 @@ def predict(
                 spec,
                 stage,
                 s,
-                _as_run(nodes, stages, stage, s.node),
+                _as_run(nodes, stages, stage, s.node, hidden),
                 head_share(stages, k, s),
                 batch,
                 prompt_tokens,
@@ -257,7 +264,7 @@ def predict(
                     spec,
                     stage,
                     s,
-                    _as_run(nodes, stages, stage, s.node),
+                    _as_run(nodes, stages, stage, s.node, hidden),
                     head_share(stages, k, s),
                     prompt_tokens,
                 )
@@ -308,13 +315,36 @@ def pins_cores(ranks_on_host: int, cores: int) -> bool:
     return 1 < ranks_on_host <= cores
 
 
+def row_rate(node: NodeSpec, row: int) -> float:
+    """The share of its long-row GEMV rate the node reaches on weight rows of `row` floats:
+    geometric between the two measured lengths up to FULL_ROW; 1 if only one was measured."""
+    if node.short_row_mem_bw_Bps <= 0 or row >= FULL_ROW:
+        return 1.0
+    ratio = min(1.0, node.short_row_mem_bw_Bps / node.mem_bw_Bps)
+    t = max(0.0, math.log(row / SHORT_ROW) / math.log(FULL_ROW / SHORT_ROW))
+    return ratio ** (1.0 - t)
+
+
 def _as_run(
-    nodes: dict[str, NodeSpec], stages: tuple[Stage, ...] | list[Stage], stage: Stage, name: str
+    nodes: dict[str, NodeSpec],
+    stages: tuple[Stage, ...] | list[Stage],
+    stage: Stage,
+    name: str,
+    row: int,
 ) -> NodeSpec:
-    """The node as its rank in this plan sees it: pinned to one core when the plan puts
-    several ranks on its machine, and sharing the machine's bandwidth with co-located peers of
-    its TP stage, which run at the same time (PP stages take turns)."""
+    """The node as its rank in this plan sees it: streaming rows of `row` floats, pinned to
+    one core when the plan puts several ranks on its machine, and sharing the machine's
+    bandwidth with co-located peers of its TP stage, which run at the same time (PP stages
+    take turns)."""
     node = nodes[name]
+    rate = row_rate(node, row)
+    if rate < 1.0:
+        node = replace(
+            node,
+            mem_bw_Bps=node.mem_bw_Bps * rate,
+            core_mem_bw_Bps=node.core_mem_bw_Bps * rate,
+            host_mem_bw_Bps=node.host_mem_bw_Bps * rate,
+        )
     if not node.host:
         return node
     on_host = sum(1 for s in stages for n in s.nodes if nodes[n].host == node.host)
