@@ -74,6 +74,16 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     add_cluster_args(p)
     p.add_argument("--layer-split", type=_ints, help="PP: per-rank layer weights, e.g. 20,10")
     p.add_argument("--tp-weights", type=_floats, help="TP: per-rank head shares, e.g. 2,1")
+    _add_backend(p)
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds of silence from the ranks before all are stopped (default 600)",
+    )
+
+
+def _add_backend(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backend",
         choices=("auto", "ring", "mpi"),
@@ -81,12 +91,6 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
         help="collectives between local ranks: MPI shared memory under Open MPI's mpirun "
         "(faster on one host) or MLX ring over loopback; auto (default) takes mpi when "
         "Open MPI is installed, else ring (--cluster picks per link)",
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=600.0,
-        help="seconds of silence from the ranks before all are stopped (default 600)",
     )
 
 
@@ -208,14 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="fair scaling: every rank and a 1-rank baseline each pinned to one core",
     )
-    bench.add_argument(
-        "--backend",
-        choices=("auto", "ring", "mpi"),
-        default="auto",
-        help="collectives between the local ranks: MPI shared memory under Open MPI's "
-        "mpirun or MLX ring over loopback; auto (default) takes mpi when Open MPI is "
-        "installed, else ring",
-    )
+    _add_backend(bench)
     bench.add_argument(
         "--tp-weights", type=_floats, help="TP: per-rank head and channel shares, e.g. 1,2"
     )
