@@ -157,3 +157,16 @@ def test_arrivals_eos_and_cancel_mid_burst_equal_one_at_a_time(runner, pipeline)
     for at, e in enumerate(events):
         if isinstance(e, list) and at > 0:
             assert [c for c in events[:at] if isinstance(c, str)][-1] in ("x", "step+"), (e, events)
+
+
+def test_each_layout_chooses_its_pipelining():
+    """batch.overlaps: one rank and PP stages build step k+1 while step k computes; CPU TP
+    ranks step one after another (their Python would take the compute thread's core)."""
+    from types import SimpleNamespace
+
+    from thunderpool.engine.batch import overlaps
+
+    gpu = mx.default_device().type == mx.DeviceType.gpu
+    assert overlaps(SimpleNamespace(size=1, stage=None))
+    assert overlaps(SimpleNamespace(size=2, stage=object()))
+    assert overlaps(SimpleNamespace(size=2, stage=None)) == gpu

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 
+from thunderpool.engine.batch import overlaps
 from thunderpool.engine.runner import Runner
 from thunderpool.engine.sampling import SamplingParams
 
@@ -89,9 +90,9 @@ def _size(group) -> int:
 def count_decode_step(leader, prompt: list[int]) -> dict:
     """The collectives the leader issues for one steady decode step (greedy).
 
-    The engine builds step k+1 before yielding token k, so the calls between the second and
-    the third token are exactly one step's graph. Closing the generator then, well before
-    its last token, also exercises the early-stop path of the pipelined decode.
+    The engine builds step k+1 just before (pipelined) or just after yielding token k, so the
+    calls between the second and the third token are exactly one step's graph. Closing the
+    generator then, well before its last token, also exercises the early-stop path.
     """
     steps = leader.generate_ids(prompt, SamplingParams(max_tokens=8))
     next(steps)
@@ -111,7 +112,8 @@ def count_decode_step(leader, prompt: list[int]) -> dict:
 
 
 def solo_decode_ms(runner: Runner, prompt: list[int], steps: int) -> float:
-    """Median ms per decode step of this rank's shard alone, pipelined like the engine."""
+    """Median ms per decode step of this rank's shard alone, pipelined where the engine is."""
+    pipeline = overlaps(runner)
     with solo_collectives():
         cache = runner.make_cache()
         out = runner.forward(mx.array([prompt]), cache)
@@ -123,6 +125,8 @@ def solo_decode_ms(runner: Runner, prompt: list[int], steps: int) -> float:
             token = _next_token(runner, out, prompt[-1])
             current = [token, *_arrays(out)]
             mx.async_eval(current)
+            if not pipeline:
+                mx.eval(current)  # as the engine steps on CPU ranks (batch.overlaps)
             if pending is not None:
                 mx.eval(pending)
                 now = time.perf_counter()

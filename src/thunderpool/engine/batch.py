@@ -13,10 +13,12 @@ from thunderpool.engine.runner import Runner
 
 
 def overlaps(runner: Runner) -> bool:
-    """Whether to build decode step k+1 while step k computes: yes where a GPU computes; on
-    CPU ranks the Python that builds a step takes the compute thread's core, and each rank's
-    stall then holds up the other at the next all_sum, so steps go one after the other."""
-    return mx.default_device().type == mx.DeviceType.gpu or runner.size == 1
+    """Whether to build decode step k+1 while step k computes: yes where a GPU computes, on one
+    rank, and in PP, whose stages take turns (a rank builds while the other stage computes).
+    On CPU TP ranks the Python that builds a step takes the compute thread's core, and each
+    rank's stall then holds up the other at the next all_sum, so steps go one after another."""
+    gpu = mx.default_device().type == mx.DeviceType.gpu
+    return gpu or runner.size == 1 or runner.stage is not None
 
 
 class BatchState:

@@ -4,18 +4,19 @@ Invariant: every rank issues the same collectives in the same order. Each step t
 broadcasts one command (control.py), then every rank runs the same forward. A rank that skips
 one hangs the cluster, so a rank that fails exits non-zero and the launcher kills the instance.
 
-Decoding one sequence is pipelined on every rank: after the JSON command of the last prefill
-chunk (which says how many decode steps follow), step k is the token exchange C_k (one int32
-all_sum inside the graph) and the forward F_k built on it, so each rank builds step k+1 while
-step k computes. Followers issue F_k before they know whether C_k said stop, so a leader that
-stops early sends stop and runs one dummy forward too.
+Decoding one sequence: after the JSON command of the last prefill chunk (which says how many
+decode steps follow), step k is the token exchange C_k (one int32 all_sum inside the graph)
+and the forward F_k built on it. Where batch.overlaps says so, each rank builds step k+1 while
+step k computes; on CPU TP ranks step k+1 is built once step k is done. Followers issue F_k
+before they know whether C_k said stop, so a leader that stops early sends stop and runs one
+dummy forward too.
 
 Serve's continuous batching (scheduler.py) sends a JSON "step" (rows to drop and join, each
 row's token) when the batch changes; when it says `more`, a decode burst follows with no JSON:
 step k is the exchange of [last, each row's token] (one int32 all_sum inside the graph) and
 the batch forward on it. Followers read `last` after issuing step k's forward; the leader set
 it when it issued the step, so no rank ever runs a dummy forward. Bursts are pipelined the
-same way where batch.overlaps says so; on CPU ranks each step waits for the one before.
+same way where batch.overlaps says so.
 """
 
 from __future__ import annotations
@@ -98,9 +99,10 @@ class Leader:
         y = sample(logits)
         mx.async_eval(y)
         issued, decode_start, nxt = 0, start, None
+        pipeline = overlaps(self.runner)
         try:
             for n in range(1, params.max_tokens + 1):
-                if issued < steps:
+                if pipeline and issued < steps:
                     # Build step n+1 on the lazy token before waiting for it (as mlx-lm does).
                     nxt_logits = self._decode_step(y, cache)
                     nxt = sample(nxt_logits)
@@ -116,6 +118,12 @@ class Leader:
                 yield Step(token, logits if keep_logits else None)
                 if n == params.max_tokens:
                     break
+                if not pipeline:
+                    # CPU ranks (batch.overlaps): step n+1 is built once token n is out.
+                    nxt_logits = self._decode_step(y, cache)
+                    nxt = sample(nxt_logits)
+                    mx.eval(nxt)
+                    issued += 1
                 y, logits = nxt, nxt_logits
         finally:
             if issued < steps and self.control.size > 1:
@@ -189,15 +197,17 @@ def _token_ids(exchanged: mx.array) -> mx.array:
 
 
 def follow_decode(runner: Runner, control: Control, cache: list, steps: int) -> None:
-    """Up to `steps` pipelined decode steps; the leader's exchange says token or stop."""
-    out = None
+    """Up to `steps` decode steps (pipelined where batch.overlaps says so); the leader's
+    exchange says token or stop."""
+    out, pipeline = None, overlaps(runner)
     for _ in range(steps):
         exchanged = control.step_token(None)
         if runner.stage is not None:
             # PP: the exchange must complete before this stage's recv, as on the leader.
             mx.eval(exchanged)
         out = runner.forward(_token_ids(exchanged), cache)
-        mx.async_eval(exchanged, *([out] if out is not None else []))
+        step = [exchanged, *([out] if out is not None else [])]
+        (mx.async_eval if pipeline else mx.eval)(*step)
         if exchanged.item() == 0:
             break  # stop: `out` was the leader's dummy step
     if out is not None:
