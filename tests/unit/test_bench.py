@@ -8,6 +8,7 @@ import json
 import pytest
 from rich.console import Console
 
+from thunderpool.bench.accuracy import _step_split
 from thunderpool.bench.breakdown import decode_breakdown
 from thunderpool.bench.energy import open_meter
 from thunderpool.bench.engine_bench import Run, spread, synthetic_prompt, timed
@@ -102,6 +103,26 @@ def fake_results(pin: bool) -> dict:
     if pin:
         results["pinned"] = fake_layout("single", 1, 15.0, 150.0)
     return results
+
+
+def test_planner_accuracy_splits_both_steps_alike():
+    from thunderpool.planner.cost import Breakdown
+
+    predicted = Breakdown(compute_s=0.001, memory_s=0.030, collective_s=0.005, dispatch_s=0.007)
+    split = _step_split(predicted, {"step_ms": 50.0, "compute_ms": 36.0, "collective_ms": 6.0})
+    assert split == pytest.approx(
+        {
+            "predicted_step_ms": 43.0,
+            "predicted_compute_ms": 38.0,
+            "predicted_outside_ms": 5.0,
+            "measured_step_ms": 50.0,
+            "measured_compute_ms": 36.0,
+            "measured_outside_ms": 14.0,
+            "measured_collective_ms": 6.0,
+        }
+    )
+    # One rank: bench's compute is the whole step.
+    assert _step_split(predicted, {"step_ms": 40.0})["measured_outside_ms"] == 0.0
 
 
 def test_scaling_series_and_speedups_from_the_baseline():

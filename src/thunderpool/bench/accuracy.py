@@ -49,6 +49,7 @@ def planner_accuracy(args: argparse.Namespace, console: Console | None = None) -
                 "predicted_tps": predicted,
                 "measured_tps": measured,
                 "error": (predicted - measured) / measured,
+                **_step_split(plan.prediction.breakdown, bench.get("breakdown", {})),
             }
         )
     table = Table(
@@ -68,6 +69,43 @@ def planner_accuracy(args: argparse.Namespace, console: Console | None = None) -
             f"{r['error']:+.0%}",
         )
     console.print(table)
+    split = Table(
+        "plan",
+        "step ms",
+        "compute ms",
+        "step - compute ms",
+        "probed collectives ms",
+        title="a decode step, predicted / measured (compute: alone, the slowest rank)",
+    )
+    for r in rows:
+        split.add_row(
+            r["kind"],
+            *(f"{r[f'predicted_{k}']:.1f} / {r[f'measured_{k}']:.1f}" for k in SPLIT),
+            f"{r['measured_collective_ms']:.1f}",
+        )
+    console.print(split)
     errors = [abs(r["error"]) for r in rows]
     console.print(f"median |error| {statistics.median(errors):.0%}, max {max(errors):.0%}")
     return rows
+
+
+SPLIT = ("step_ms", "compute_ms", "outside_ms")
+
+
+def _step_split(predicted, measured: dict) -> dict:
+    """Where a step goes, both ways: the planner's compute is its memory, FLOP and per-matmul
+    terms; outside it are its collectives. bench's compute is each rank alone (breakdown.py),
+    and everything else in its step is outside: its collectives at their probed latency,
+    and waiting."""
+    compute = predicted.compute_s + predicted.memory_s + predicted.dispatch_s
+    step = measured.get("step_ms", 0.0)
+    alone = measured.get("compute_ms", step)
+    return {
+        "predicted_step_ms": (compute + predicted.collective_s) * 1e3,
+        "predicted_compute_ms": compute * 1e3,
+        "predicted_outside_ms": predicted.collective_s * 1e3,
+        "measured_step_ms": step,
+        "measured_compute_ms": alone,
+        "measured_outside_ms": max(step - alone, 0.0),
+        "measured_collective_ms": measured.get("collective_ms", 0.0),
+    }
