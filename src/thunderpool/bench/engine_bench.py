@@ -167,7 +167,7 @@ def step_breakdown(
         leader.control.send({"op": "solo", "t": prompt, "n": steps})
         by_rank = solo_compute(leader.runner, leader.control.group, prompt, steps)
         hidden_ms = leader.probe((1, 1, hidden), PROBE_REPEATS) * 1e3
-        control_ms = leader.probe((1,), PROBE_REPEATS) * 1e3
+        control_ms = leader.probe((leader.control.min_elements,), PROBE_REPEATS) * 1e3
         if counts["by_op"].get("all_gather"):
             rows = leader.runner.model.lm_head.width
             gather_ms = leader.probe((rows, 1), PROBE_REPEATS, "all_gather") * 1e3
