@@ -231,6 +231,22 @@ def test_node_specs_carry_the_pinned_core_rates():
     assert got == (3.5e9, 7e10, 9e9, 2e9)
 
 
+def test_agents_on_one_machine_share_their_lowest_host_bandwidth():
+    """Each agent of a machine measured its bus; the planner gives all of them the lowest."""
+    from thunderpool.cluster.coordinator import node_specs
+
+    s = ClusterState()
+    for name, address, host, bw in (
+        ("a", "10.0.0.1", "boot-1", 34e9),
+        ("b", "10.0.0.2", "boot-1", 50e9),  # its processes did not overlap fully
+        ("c", "10.0.0.3", "boot-2", 60e9),
+    ):
+        info = node(name, address).model_copy(update={"host_id": host, "host_mem_bw_Bps": bw})
+        s = apply(s, Hello(node=info, contact=f"{address}:7070"))
+    nodes, _ = node_specs(s)
+    assert {n.name: n.host_mem_bw_Bps for n in nodes} == {"a": 34e9, "b": 34e9, "c": 60e9}
+
+
 def test_join_waits_for_a_seed_that_is_not_up_yet_but_not_for_a_refusal():
     """Nodes started together: the seed may still be measuring. A seed that does not answer
     is retried until it does; a refusal ends the join at once."""

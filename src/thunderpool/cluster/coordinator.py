@@ -8,6 +8,7 @@ same command there (`--join` any agent of the cluster).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
@@ -115,7 +116,13 @@ def node_specs(state: ClusterState) -> tuple[list[NodeSpec], list[LinkSpec]]:
 
     Measured bandwidths and latencies miss two fixed costs a decode step pays: per weight
     matmul (as the agent measured it on MLX's CPU backend, else calibrated by chip) and per
-    collective (calibrated by link kind)."""
+    collective (calibrated by link kind). Agents that share a machine measured the same bus:
+    each gets the lowest of their host bandwidths (a run whose processes did not overlap
+    fully reads high, never low)."""
+    host_bw: dict[str, float] = {}
+    for n in state.nodes.values():
+        if n.host_id and n.host_mem_bw_Bps > 0:
+            host_bw[n.host_id] = min(host_bw.get(n.host_id, math.inf), n.host_mem_bw_Bps)
     nodes = [
         NodeSpec(
             name=n.node_id,
@@ -125,7 +132,7 @@ def node_specs(state: ClusterState) -> tuple[list[NodeSpec], list[LinkSpec]]:
             flops=max(n.flops, 1e9),
             host=n.host_id,
             cores=n.cpu_count,
-            host_mem_bw_Bps=n.host_mem_bw_Bps,
+            host_mem_bw_Bps=host_bw.get(n.host_id, n.host_mem_bw_Bps),
             core_mem_bw_Bps=n.core_mem_bw_Bps,
             core_flops=n.core_flops,
             short_row_mem_bw_Bps=n.short_row_mem_bw_Bps,

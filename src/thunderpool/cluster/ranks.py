@@ -55,6 +55,8 @@ class RankManager:
     def __init__(self, resolve_model=None, link_token: str | None = None, lease: float = LEASE_S):
         self.instances: dict[str, _Instance] = {}
         self.lock = threading.Lock()
+        # Notified when a rank sends an event or closes its output (it exited).
+        self.changed = threading.Condition(self.lock)
         self.resolve_model = resolve_model
         # A serving leader checks this on its engine link; it never travels in a message.
         self.link_token = link_token
@@ -115,6 +117,9 @@ class RankManager:
                     event = json.loads(line[len(EVENT_PREFIX) :])
                     with self.lock:
                         inst.events.append({"rank": rank.rank, "event": event})
+                        self.changed.notify_all()
+        with self.lock:
+            self.changed.notify_all()
 
     def _pump_err(self, rank: _Rank) -> None:
         for line in rank.proc.stderr:
@@ -132,13 +137,14 @@ class RankManager:
             return {"events": [], "exits": {}, "errors": {}, "known": False}
         inst.polled = time.monotonic()
         deadline = time.monotonic() + min(wait, 5.0)
-        while (
-            len(inst.events) <= after
-            and time.monotonic() < deadline
-            and all(r.proc.poll() is None for r in inst.ranks.values())
-        ):
-            time.sleep(0.01)
         with self.lock:
+            # Sleep until an event or an exit (not a 10 ms spin: pinned ranks share our cores).
+            while (
+                len(inst.events) <= after
+                and all(r.proc.poll() is None for r in inst.ranks.values())
+                and (left := deadline - time.monotonic()) > 0
+            ):
+                self.changed.wait(min(left, 0.1))
             events = inst.events[after:]
         exits = {r.rank: r.proc.poll() for r in inst.ranks.values()}
         errors = {

@@ -28,8 +28,8 @@ class Control:
         self.group = group
         self.size, self.rank = group.size(), group.rank()
         self.collectives = 0  # issued so far: the benchmark counts them per decode step
-        # MLX ring splits a sum into one chunk per rank; a 1-element token exchange between
-        # 2 ranks made a decode step 7.5 ms instead of 2.8 (tiny TP2 llama, docs/benchmarks.md).
+        # MLX ring sums fewer elements than ranks on a slower path of its own: a 1-element
+        # token exchange made a tiny TP2 llama's step 7.5 ms instead of 2.8 (benchmarks.md).
         self.min_elements = max(2, self.size)
 
     def send(self, command: dict) -> None:
