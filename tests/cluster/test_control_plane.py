@@ -221,6 +221,7 @@ def test_node_specs_carry_the_pinned_core_rates():
         update={
             "core_mem_bw_Bps": 3.5e9,
             "core_flops": 7e10,
+            "core_op_latency_s": 5e-5,
             "host_mem_bw_Bps": 9e9,
             "short_row_mem_bw_Bps": 2e9,
         }
@@ -229,6 +230,7 @@ def test_node_specs_carry_the_pinned_core_rates():
     (spec,), _ = node_specs(s)
     got = (spec.core_mem_bw_Bps, spec.core_flops, spec.host_mem_bw_Bps, spec.short_row_mem_bw_Bps)
     assert got == (3.5e9, 7e10, 9e9, 2e9)
+    assert spec.core_op_latency_s == 5e-5
 
 
 def test_agents_on_one_machine_share_their_lowest_host_bandwidth():

@@ -194,3 +194,17 @@ def test_co_located_pp_stages_run_at_the_pinned_core_rates():
     crowded = predict(spec, thirds, three, loops)
     loose = predict(spec, thirds, {n: replace(v, host="") for n, v in three.items()}, loops)
     assert crowded.breakdown.memory_s == pytest.approx(loose.breakdown.memory_s, rel=1e-9)
+
+
+def test_pinned_ranks_pay_the_per_matmul_cost_measured_on_one_core():
+    """A pinned rank's threads share its core: its fixed cost per matmul is the pinned one."""
+    spec = model_spec_from_config(LLAMA_8B)
+    link = [LinkSpec("x", "y", 2e-5, 5e9, "loopback")]
+    tp = [Stage(("x", "y"), (0, spec.layers), (1.0, 1.0))]
+    box = {"core_mem_bw_Bps": 1e9, "core_flops": 1e10, "op_latency_s": 3e-5}
+    pinned = {n: replace(_box(n, "box", 40), **box, core_op_latency_s=5e-5) for n in "xy"}
+    unmeasured = {n: replace(_box(n, "box", 40), **box) for n in "xy"}
+    apart = {n: replace(v, host=f"box-{n}") for n, v in pinned.items()}
+    matmuls = 7 * spec.layers + 1  # every layer's 7, plus the split output head
+    got = [predict(spec, tp, n, link).breakdown.dispatch_s for n in (pinned, unmeasured, apart)]
+    assert got == pytest.approx([matmuls * 5e-5, matmuls * 3e-5, matmuls * 3e-5], rel=1e-9)

@@ -135,6 +135,7 @@ def node_specs(state: ClusterState) -> tuple[list[NodeSpec], list[LinkSpec]]:
             host_mem_bw_Bps=host_bw.get(n.host_id, n.host_mem_bw_Bps),
             core_mem_bw_Bps=n.core_mem_bw_Bps,
             core_flops=n.core_flops,
+            core_op_latency_s=n.core_op_latency_s,
             short_row_mem_bw_Bps=n.short_row_mem_bw_Bps,
             op_latency_s=n.op_latency_s or live_op_latency_s(n.chip),
         )

@@ -45,6 +45,7 @@ class NodeInfo(Wire):
     # What a rank pinned to one core with one BLAS thread gets (ranks sharing a machine are).
     core_mem_bw_Bps: float = 0.0
     core_flops: float = 0.0
+    core_op_latency_s: float = 0.0  # op_latency_s on that core (its threads share it)
     # A decode step's fixed cost per weight matmul, measured where no calibration exists
     # (MLX's CPU backend); 0: the planner takes the calibrated value for the chip.
     op_latency_s: float = 0.0

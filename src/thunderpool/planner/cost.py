@@ -57,6 +57,7 @@ class NodeSpec:
     # A rank pinned to one core (see pins_cores) streams and computes at these rates instead.
     core_mem_bw_Bps: float = 0.0
     core_flops: float = 0.0
+    core_op_latency_s: float = 0.0  # 0: op_latency_s
     # mem_bw_Bps is measured with weight rows of LONG_ROW floats; this with SHORT_ROW (0: the
     # same). A model whose rows are shorter than FULL_ROW streams between the two (row_rate).
     short_row_mem_bw_Bps: float = 0.0
@@ -350,7 +351,8 @@ def _as_run(
     on_host = sum(1 for s in stages for n in s.nodes if nodes[n].host == node.host)
     if pins_cores(on_host, node.cores) and node.core_mem_bw_Bps > 0:
         flops = node.core_flops or node.flops
-        node = replace(node, mem_bw_Bps=node.core_mem_bw_Bps, flops=flops)
+        op = node.core_op_latency_s or node.op_latency_s
+        node = replace(node, mem_bw_Bps=node.core_mem_bw_Bps, flops=flops, op_latency_s=op)
     k = sum(1 for n in stage.nodes if nodes[n].host == node.host)
     if k <= 1 or node.host_mem_bw_Bps <= 0:
         return node
