@@ -173,6 +173,14 @@ def bench(args: argparse.Namespace) -> int:
 
     _same_blas_as_ranks()
     backend = resolve_backend(args, max(args.nodes))
+    console = Console()
+    if args.synthetic:
+        from thunderpool.bench.synthetic import synthetic_model
+
+        if args.model:
+            raise ThunderpoolError("--synthetic and --model both name a model; pass one of them")
+        # A path: on a cluster every node must see it (one machine, or a shared disk).
+        args.model = str(synthetic_model(args.synthetic, console=console))
     if args.cluster:
         import json
 
@@ -185,15 +193,7 @@ def bench(args: argparse.Namespace) -> int:
     from thunderpool.bench.run import run_bench
     from thunderpool.models.source import resolve_model
 
-    console = Console()
-    if args.synthetic:
-        from thunderpool.bench.synthetic import synthetic_model
-
-        if args.model:
-            raise ThunderpoolError("--synthetic and --model both name a model; pass one of them")
-        model_dir = synthetic_model(args.synthetic, console=console)
-    else:
-        model_dir = resolve_model(args.model)
+    model_dir = resolve_model(args.model)
     if any(n < 1 for n in args.nodes):
         raise ThunderpoolError(f"--nodes {args.nodes} must all be >= 1")
     run_bench(
