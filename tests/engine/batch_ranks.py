@@ -134,8 +134,12 @@ def run_ranks(spec: dict, tmp: Path, timeout: float = 180.0) -> dict:
     spec_file.write_text(json.dumps(spec))
     hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
     procs, logs = [], [tmp / f"rank{r}.log" for r in range(2)]
+    # A core each, as mpirun and pinned cluster ranks run: `pipeline` None then takes the
+    # pinned CPU rank's default (batch.overlaps: one step after another).
+    cores = sorted(os.sched_getaffinity(0))
     try:
         for rank in range(2):
+            cpu = cores[rank] if len(cores) > 1 else None
             env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hosts)}
             with logs[rank].open("w") as log:
                 procs.append(
@@ -146,7 +150,7 @@ def run_ranks(spec: dict, tmp: Path, timeout: float = 180.0) -> dict:
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
-                        preexec_fn=lambda: child_setup(None),
+                        preexec_fn=lambda cpu=cpu: child_setup(cpu),
                     )
                 )
         codes = [p.wait(timeout=timeout) for p in procs]

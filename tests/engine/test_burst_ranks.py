@@ -86,7 +86,7 @@ def until_eos(tokens: list[int], eos: list[int]) -> list[int]:
 def test_requests_joining_and_leaving_bursts_equal_alone(
     tiny_chat, one_rank, tmp_path, parallel, pipeline
 ):
-    """`pipeline` None: each rank's default (batch.overlaps: steps one after the other on CPU
+    """`pipeline` None: each rank's default (batch.overlaps: steps one after the other on pinned CPU
     ranks); True: every rank builds step k+1 while step k computes."""
     spec, refs = scenario(tiny_chat, one_rank)
     expected = [alone(one_rank, spec, i) for i in range(len(spec["requests"]))]

@@ -102,7 +102,7 @@ def test_two_ranks_count_per_serve_decode_step(tiny_models, tmp_path, kind, pipe
     if pipeline:
         double = ({k: 2 * n for k, n in TP_STEP.items()}, 2)
         assert gaps == [double, *[one] * 5, ({}, 0)]
-    else:  # the default on CPU ranks (batch.overlaps)
+    else:  # the default on CPU ranks pinned to a core (batch.overlaps)
         assert gaps == [one] * 7
     # 7 decode forwards after the prefill, each with exactly one control collective: the
     # "step" command's JSON, then 6 exchanges.

@@ -159,14 +159,17 @@ def test_arrivals_eos_and_cancel_mid_burst_equal_one_at_a_time(runner, pipeline)
             assert [c for c in events[:at] if isinstance(c, str)][-1] in ("x", "step+"), (e, events)
 
 
-def test_each_layout_chooses_its_pipelining():
-    """batch.overlaps: one rank and PP stages build step k+1 while step k computes; CPU TP
-    ranks step one after another (their Python would take the compute thread's core)."""
+def test_each_layout_chooses_its_pipelining(monkeypatch):
+    """batch.overlaps: one rank, PP stages and ranks with cores to spare build step k+1 while
+    step k computes; CPU TP ranks pinned to one core step one after another (their Python
+    would take the compute thread's core)."""
     from types import SimpleNamespace
 
-    from thunderpool.engine.batch import overlaps
+    from thunderpool.engine import batch
 
     gpu = mx.default_device().type == mx.DeviceType.gpu
-    assert overlaps(SimpleNamespace(size=1, stage=None))
-    assert overlaps(SimpleNamespace(size=2, stage=object()))
-    assert overlaps(SimpleNamespace(size=2, stage=None)) == gpu
+    for cores in (1, 2):
+        monkeypatch.setattr(batch, "own_cores", lambda cores=cores: cores)
+        assert batch.overlaps(SimpleNamespace(size=1, stage=None))
+        assert batch.overlaps(SimpleNamespace(size=2, stage=object()))
+        assert batch.overlaps(SimpleNamespace(size=2, stage=None)) == (gpu or cores > 1)

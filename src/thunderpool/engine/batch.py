@@ -7,6 +7,8 @@ finished prefix cache then joins the decoding batch, which is left-padded (mlx-l
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 
 from thunderpool.engine.runner import Runner
@@ -14,11 +16,19 @@ from thunderpool.engine.runner import Runner
 
 def overlaps(runner: Runner) -> bool:
     """Whether to build decode step k+1 while step k computes: yes where a GPU computes, on one
-    rank, and in PP, whose stages take turns (a rank builds while the other stage computes).
-    On CPU TP ranks the Python that builds a step takes the compute thread's core, and each
-    rank's stall then holds up the other at the next all_sum, so steps go one after another."""
+    rank, in PP (stages take turns: a rank builds while the other stage computes), and where
+    the rank may use more than one core. A CPU TP rank pinned to one core steps one at a time:
+    there the Python that builds a step takes the compute thread's core, and each rank's
+    stall then holds up the other at the next all_sum."""
     gpu = mx.default_device().type == mx.DeviceType.gpu
-    return gpu or runner.size == 1 or runner.stage is not None
+    return gpu or runner.size == 1 or runner.stage is not None or own_cores() > 1
+
+
+def own_cores() -> int:
+    """The cores this process may run on (mpirun --bind-to core and pinned ranks: one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 class BatchState:

@@ -7,9 +7,9 @@ one hangs the cluster, so a rank that fails exits non-zero and the launcher kill
 Decoding one sequence: after the JSON command of the last prefill chunk (which says how many
 decode steps follow), step k is the token exchange C_k (one int32 all_sum inside the graph)
 and the forward F_k built on it. Where batch.overlaps says so, each rank builds step k+1 while
-step k computes; on CPU TP ranks step k+1 is built once step k is done. Followers issue F_k
-before they know whether C_k said stop, so a leader that stops early sends stop and runs one
-dummy forward too.
+step k computes; on CPU TP ranks pinned to one core step k+1 is built once step k is done.
+Followers issue F_k before they know whether C_k said stop, so a leader that stops early sends
+stop and runs one dummy forward too.
 
 Serve's continuous batching (scheduler.py) sends a JSON "step" (rows to drop and join, each
 row's token) when the batch changes; when it says `more`, a decode burst follows with no JSON:

@@ -12,9 +12,10 @@ step's token is in, a row already finished (eos, stop string), a cancellation or
 that could join. Followers read `last` after issuing the step's forward, so every rank runs
 the same forwards, each a real step for every row still running (a finished or cancelled row's
 extra step or two is discarded, and the next "step" command drops it). Where batch.overlaps
-says so (a GPU, one rank, or PP) a burst is pipelined: step k is built on step k-1's lazily
-sampled tokens before they are delivered, so Python builds a step while the last computes.
-On CPU TP ranks step k is built once step k-1's tokens are delivered. Either way is one
+says so (a GPU, one rank, PP, or more than one core) a burst is pipelined: step k is built on
+step k-1's lazily sampled tokens before they are delivered, so Python builds a step while the
+last computes. On CPU TP ranks pinned to one core step k is built once step k-1's tokens are
+delivered. Either way is one
 rank's own choice: the collectives are the same.
 """
 
