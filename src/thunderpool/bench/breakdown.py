@@ -124,9 +124,8 @@ def solo_decode_ms(runner: Runner, prompt: list[int], steps: int) -> float:
             out = runner.forward(token[:, None], cache)
             token = _next_token(runner, out, prompt[-1])
             current = [token, *_arrays(out)]
-            mx.async_eval(current)
-            if not pipeline:
-                mx.eval(current)  # as the engine steps on CPU ranks (batch.overlaps)
+            # Stepped one at a time where the engine is (batch.overlaps).
+            (mx.async_eval if pipeline else mx.eval)(current)
             if pending is not None:
                 mx.eval(pending)
                 now = time.perf_counter()

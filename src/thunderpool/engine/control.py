@@ -7,7 +7,7 @@ collective of its exact padded length. No pickle ever crosses the wire.
 A decode step needs no JSON: `step_token` sums one int32 inside the lazy graph (the leader's
 token id + 1, or 0 for stop), so no rank waits in Python for it and the next step's graph can
 be built while the current one computes. `burst_step` does the same for a batch decode step
-of serve's scheduler: one (B+1,) int32 sum of [last, token of each row]. Both pad their sum
+of serve's scheduler: one (B+1,) int32 sum of [last, token of each row]. Every sum here is padded
 to at least one element per rank (`min_elements`).
 """
 
@@ -30,7 +30,8 @@ class Control:
         self.collectives = 0  # issued so far: the benchmark counts them per decode step
         # MLX ring sums fewer elements than ranks on a slower path of its own: a 1-element
         # token exchange made a tiny TP2 llama's step 7.5 ms instead of 2.8 (benchmarks.md).
-        self.min_elements = max(2, self.size)
+        # Every sum here is padded to one element per rank.
+        self.min_elements = self.size
 
     def send(self, command: dict) -> None:
         """Leader: broadcast `command` (no-op on a single rank)."""
@@ -45,29 +46,32 @@ class Control:
         """One decode step's command, lazily: the leader passes its sampled token (1,) or
         mx.array([STOP]); followers pass None. Returns (1,) int32: token id + 1, or 0 = stop."""
         if token is None:
-            mine = mx.zeros((self.min_elements,), mx.int32)
+            mine = mx.zeros((1,), mx.int32)
         else:
-            mine = self._padded(token.astype(mx.int32).reshape(1) + 1)
-        self.collectives += 1
-        return mx.distributed.all_sum(mine, group=self.group)[:1]
+            mine = token.astype(mx.int32).reshape(1) + 1
+        return self._lazy_sum(mine)
 
     def burst_step(self, tokens: mx.array | None, rows: int, last: bool = False) -> mx.array:
         """One batch decode step's command, lazily: the leader passes its sampled tokens (B,)
         and whether this is the burst's last step; followers pass None. Returns (B+1,) int32:
         [1 if last else 0, the token of each row]."""
         if tokens is None:
-            mine = mx.zeros((max(rows + 1, self.min_elements),), mx.int32)
+            mine = mx.zeros((rows + 1,), mx.int32)
         else:
             flag = mx.array([int(last)], mx.int32)
-            mine = self._padded(mx.concatenate([flag, tokens.astype(mx.int32).reshape(rows)]))
+            mine = mx.concatenate([flag, tokens.astype(mx.int32).reshape(rows)])
         if self.size == 1:
-            return mine[: rows + 1]  # alone: the same graph minus the collective
-        self.collectives += 1
-        return mx.distributed.all_sum(mine, group=self.group)[: rows + 1]
+            return mine  # alone: the same graph minus the collective
+        return self._lazy_sum(mine)
 
-    def _padded(self, mine: mx.array) -> mx.array:
-        short = self.min_elements - mine.size
-        return mx.concatenate([mine, mx.zeros((short,), mine.dtype)]) if short > 0 else mine
+    def _lazy_sum(self, mine: mx.array) -> mx.array:
+        """Every rank's `mine` summed inside the graph (padded to min_elements, then cut)."""
+        self.collectives += 1
+        n = mine.size
+        if n >= self.min_elements:
+            return mx.distributed.all_sum(mine, group=self.group)
+        padded = mx.concatenate([mine, mx.zeros((self.min_elements - n,), mine.dtype)])
+        return mx.distributed.all_sum(padded, group=self.group)[:n]
 
     def _exchange(self, payload: bytes | None) -> bytes:
         header = np.zeros(HEADER, dtype=np.uint8)
@@ -80,13 +84,14 @@ class Control:
         body = summed[_LEN : _LEN + min(length, HEADER - _LEN)].tobytes()
         rest = length - len(body)
         if rest > 0:
-            tail = np.zeros(max(rest, self.min_elements), dtype=np.uint8)
+            tail = np.zeros(rest, dtype=np.uint8)
             if payload is not None:
-                tail[:rest] = np.frombuffer(payload[len(body) :], np.uint8)
-            body += self._sum(tail)[:rest].tobytes()
+                tail[:] = np.frombuffer(payload[len(body) :], np.uint8)
+            body += self._sum(tail).tobytes()
         return body
 
     def _sum(self, data: np.ndarray) -> np.ndarray:
         self.collectives += 1
-        out = mx.distributed.all_sum(mx.array(data), group=self.group, stream=mx.cpu)
-        return np.array(out)
+        padded = np.pad(data, (0, max(0, self.min_elements - data.size)))
+        out = mx.distributed.all_sum(mx.array(padded), group=self.group, stream=mx.cpu)
+        return np.array(out)[: data.size]

@@ -104,8 +104,7 @@ class Leader:
             for n in range(1, params.max_tokens + 1):
                 if pipeline and issued < steps:
                     # Build step n+1 on the lazy token before waiting for it (as mlx-lm does).
-                    nxt_logits = self._decode_step(y, cache)
-                    nxt = sample(nxt_logits)
+                    nxt_logits, nxt = self._sampled_step(y, cache, sample)
                     mx.async_eval(nxt)
                     issued += 1
                 token = y.item()
@@ -119,9 +118,8 @@ class Leader:
                 if n == params.max_tokens:
                     break
                 if not pipeline:
-                    # CPU ranks (batch.overlaps): step n+1 is built once token n is out.
-                    nxt_logits = self._decode_step(y, cache)
-                    nxt = sample(nxt_logits)
+                    # Pinned CPU TP ranks (batch.overlaps): step n+1 once token n is out.
+                    nxt_logits, nxt = self._sampled_step(y, cache, sample)
                     mx.eval(nxt)
                     issued += 1
                 y, logits = nxt, nxt_logits
@@ -130,6 +128,11 @@ class Leader:
                 # Followers already run the step after the last one issued: match it.
                 pending = [] if nxt is None else [nxt]
                 mx.eval(*pending, self._decode_step(mx.array([STOP]), cache))
+
+    def _sampled_step(self, y: mx.array, cache: list, sample: Sampler):
+        """The next decode step on token y, lazily: (its logits, its sampled token)."""
+        logits = self._decode_step(y, cache)
+        return logits, sample(logits)
 
     def _decode_step(self, y: mx.array, cache: list) -> mx.array:
         """One decode forward on the token y (1,); on several ranks, through the exchange."""

@@ -15,8 +15,7 @@ extra step or two is discarded, and the next "step" command drops it). Where bat
 says so (a GPU, one rank, PP, or more than one core) a burst is pipelined: step k is built on
 step k-1's lazily sampled tokens before they are delivered, so Python builds a step while the
 last computes. On CPU TP ranks pinned to one core step k is built once step k-1's tokens are
-delivered. Either way is one
-rank's own choice: the collectives are the same.
+delivered. Either way is one rank's own choice: the collectives are the same.
 """
 
 from __future__ import annotations
