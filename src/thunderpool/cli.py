@@ -81,6 +81,16 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
         default=600.0,
         help="seconds of silence from the ranks before all are stopped (default 600)",
     )
+    add_allow_untested(p)
+
+
+def add_allow_untested(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allow-untested",
+        action="store_true",
+        help="run a sharded layout not yet verified against the unsharded model for this "
+        "model family (a loud warning; the output may be wrong)",
+    )
 
 
 def _add_backend(p: argparse.ArgumentParser) -> None:
@@ -240,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     from thunderpool.cluster.cli import add_cluster_args as _cluster_args
 
     _cluster_args(bench)
+    add_allow_untested(bench)
     return parser
 
 

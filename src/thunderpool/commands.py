@@ -21,6 +21,7 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
     """Local ranks on this host, or the planned ranks across the cluster (--cluster)."""
     from thunderpool.cluster.mpi import local_instance, resolve_backend
     from thunderpool.engine.loader import Layout, preflight
+    from thunderpool.models.families import guard
     from thunderpool.models.source import resolve_model
 
     nodes = args.nodes or 2
@@ -31,7 +32,8 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
         return cluster_instance(args, make_job, timeout), args.model or "SmolLM2-135M-Instruct"
     parallel = args.parallel or "tp"
     model_dir = resolve_model(args.model)
-    preflight(model_dir, nodes, Layout(parallel, args.tp_weights, args.layer_split))
+    config = preflight(model_dir, nodes, Layout(parallel, args.tp_weights, args.layer_split))
+    guard(config, nodes, parallel, args.allow_untested)
     job = make_job(
         nodes,
         {"parallel": parallel, "tp_weights": args.tp_weights, "layer_split": args.layer_split},
@@ -196,6 +198,7 @@ def bench(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     if any(n < 1 for n in args.nodes):
         raise ThunderpoolError(f"--nodes {args.nodes} must all be >= 1")
+    _guard_bench(model_dir, args, console)
     run_bench(
         model_dir,
         nodes=args.nodes,
@@ -213,3 +216,14 @@ def bench(args: argparse.Namespace) -> int:
         tp_weights=args.tp_weights,
     )
     return 0
+
+
+def _guard_bench(model_dir: Path, args: argparse.Namespace, console: Console) -> None:
+    """Every sharded run bench would start must be verified for the family (or allowed)."""
+    from thunderpool.engine.loader import read_config
+    from thunderpool.models.families import guard
+
+    config = read_config(model_dir)
+    for n in sorted(set(args.nodes)):
+        for mode in args.modes:
+            guard(config, n, mode, args.allow_untested, console, flag="--modes")

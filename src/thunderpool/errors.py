@@ -15,3 +15,7 @@ class ShardingError(ThunderpoolError):
 
 class LaunchError(ThunderpoolError):
     """Rank processes failed to start, crashed, or timed out."""
+
+
+class UnverifiedLayoutError(ShardingError):
+    """A sharded layout not yet proven equal to the unsharded model for this family."""

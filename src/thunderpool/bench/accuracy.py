@@ -11,6 +11,7 @@ from rich.table import Table
 from thunderpool.cluster.cli import coordinator, measured_state, ranked_plans
 from thunderpool.cluster.coordinator import ClusterInstance, plan_layout
 from thunderpool.engine.job import BenchTask, RankJob
+from thunderpool.models.families import warn_untested
 
 
 def planner_accuracy(args: argparse.Namespace, console: Console | None = None) -> list[dict]:
@@ -20,9 +21,14 @@ def planner_accuracy(args: argparse.Namespace, console: Console | None = None) -
     state = measured_state(coord)
     args.context = args.prompt_tokens + args.max_tokens
     plans = ranked_plans(args, state)
+    allow = getattr(args, "allow_untested", False)
     picked = {}
     for p in plans:
-        picked.setdefault((p.kind, len(p.nodes)), p)
+        if p.verified or allow:  # an unverified layout only with --allow-untested
+            picked.setdefault((p.kind, len(p.nodes)), p)
+    for p in picked.values():
+        if not p.verified:
+            warn_untested(p.unverified, console)
     names = {k: n.name for k, n in state.nodes.items()}
     rows = []
     for (kind, n), plan in sorted(picked.items()):
@@ -49,6 +55,7 @@ def planner_accuracy(args: argparse.Namespace, console: Console | None = None) -
                 "predicted_tps": predicted,
                 "measured_tps": measured,
                 "error": (predicted - measured) / measured,
+                "verified": plan.verified,
                 **_step_split(plan.prediction.breakdown, bench.get("breakdown", {})),
             }
         )

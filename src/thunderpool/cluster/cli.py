@@ -97,6 +97,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--concurrency", type=int, default=1, help="requests served at once")
     p.add_argument("--top", type=int, default=8, help="plans to show")
     add_cluster_args(p)
+    from thunderpool.cli import add_allow_untested
+
+    add_allow_untested(p)
 
 
 def ranked_plans(args: argparse.Namespace, state: ClusterState):
@@ -126,8 +129,25 @@ def plan_main(args: argparse.Namespace) -> int:
     table = plan_table(plans[: args.top], names)
     console = Console()
     console.print(table)
-    console.print(_named(explain(plans), state))
+    console.print(verified_line(args.model))
+    # The winner is what `--cluster` would launch: verified plans only, unless allowed.
+    runnable = [p for p in plans if p.verified or args.allow_untested]
+    if runnable:
+        console.print(_named(explain(runnable), state))
+    else:
+        console.print("no verified plan fits; --allow-untested would run the first one")
     return 0
+
+
+def verified_line(model: str | None) -> str:
+    """`verified layouts for llama: tp, pp` for the model `--model` names."""
+    import json
+
+    from thunderpool.models.families import describe, family_of
+    from thunderpool.models.source import resolve_model
+
+    config = json.loads((resolve_model(model) / "config.json").read_text())
+    return describe(family_of(config))
 
 
 def cluster_instance(args: argparse.Namespace, make_job, timeout: float | None):
@@ -155,12 +175,20 @@ class ClusterPlanner:
             pairs = ", ".join(f"{state.nodes[a].name}-{state.nodes[b].name}" for a, b in missing)
             self.console.print(f"[yellow]could not measure the links {pairs}[/]")
         plans = ranked_plans(self.args, state)
+        allow = getattr(self.args, "allow_untested", False)
+        runnable = [p for p in plans if p.verified or allow]
         # A replan keeps what the user asked for when it can, else relaxes node count, then kind.
         tiers = [(True, True)] if first else [(True, True), (True, False), (False, False)]
         wanted = next(
-            (w for kind, count in tiers if (w := [p for p in plans if self._fits(p, kind, count)])),
+            (
+                w
+                for kind, count in tiers
+                if (w := [p for p in runnable if self._fits(p, kind, count)])
+            ),
             [],
         )
+        if not wanted and (blocked := [p for p in plans if self._fits(p, True, True)]):
+            raise _refusal(blocked[0], runnable)
         if not wanted:
             kinds = ", ".join(sorted({f"{p.kind} on {len(p.nodes)}" for p in plans}))
             raise ThunderpoolError(
@@ -168,6 +196,10 @@ class ClusterPlanner:
                 f"fits this cluster; possible: {kinds}"
             )
         plan = wanted[0]
+        if not plan.verified:
+            from thunderpool.models.families import warn_untested
+
+            warn_untested(plan.unverified, self.console)
         job = self.make_job(len(plan.nodes), plan_layout(plan))
         names = [state.nodes[n].name for n in plan.nodes]
         reason = _named(plan.reason, state)
@@ -192,6 +224,16 @@ class ClusterPlanner:
             {"id": k, "name": n.name, "contact": known.contacts.get(k, ""), "alive": k not in dead}
             for k, n in sorted(known.nodes.items(), key=lambda kv: kv[1].name)
         ]
+
+
+def _refusal(plan, runnable) -> ThunderpoolError:
+    """The best plan the user asked for is unverified: say so, and what would run."""
+    from thunderpool.errors import UnverifiedLayoutError
+
+    kinds = [p.kind for p in runnable if p.kind in ("tp", "pp")]
+    fix = f"use --parallel {kinds[0]}" if kinds else "use --nodes 1" if runnable else ""
+    fix = f"{fix}, or " if fix else ""
+    return UnverifiedLayoutError(f"{plan.unverified}; {fix}--allow-untested to run it anyway")
 
 
 def _named(text: str, state: ClusterState) -> str:

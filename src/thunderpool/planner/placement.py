@@ -3,14 +3,16 @@
 Pure functions. Candidates are every single node, TP over every fully linked subset, PP over
 node orderings, and hybrids (TP inside RDMA-joined groups, PP between them). A plan is kept
 only if every node's weights + KV cache + activations + OS reserve fit its available memory.
+A plan whose layout is not verified for the model's family carries the reason (`unverified`).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from thunderpool.errors import ShardingError, ThunderpoolError
+from thunderpool.models.families import family_of, unverified
 from thunderpool.parallel.tensor import proportional_split
 from thunderpool.planner.cost import (
     LinkSpec,
@@ -45,6 +47,11 @@ class Plan:
     memory_free: dict[str, int]  # available_bytes - memory_used, never negative
     prediction: Prediction
     reason: str
+    unverified: str = ""  # why this layout is not verified for the model's family ("" if it is)
+
+    @property
+    def verified(self) -> bool:
+        return not self.unverified
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -102,7 +109,8 @@ def place(
     if not plans:
         raise PlacementError(_refusal(spec, nodes, needs))
     plans.sort(key=lambda p: (-p.prediction.decode_tps, -p.prediction.prefill_tps, len(p.nodes)))
-    return plans
+    family = family_of({"model_type": spec.model_type})
+    return [replace(p, unverified=unverified(family, len(p.nodes), p.kind) or "") for p in plans]
 
 
 def explain(plans: list[Plan]) -> str:

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from thunderpool.errors import ThunderpoolError
+from thunderpool.models.families import Family, describe, family_of
 from thunderpool.planner.placement import Plan, explain, place
 from thunderpool.planner.presets import GB, Cluster, parse_cluster, presets
 from thunderpool.planner.spec import ModelSpec, model_spec, model_spec_from_config
@@ -208,9 +209,12 @@ def simulate_main(args: argparse.Namespace) -> int:
         f"context {args.context} x {args.concurrency}, prompt {prompt}"
     )
     console.print(plan_table(distinct(plans, cluster)[: args.top]))
+    family = family_of({"model_type": spec.model_type})
+    console.print(describe(family))
     console.print(explain(plans))
     if args.json:
-        args.json.write_text(json.dumps(plans_json(args, cluster, plans), indent=1) + "\n")
+        out = plans_json(args, cluster, plans, family)
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 
@@ -228,7 +232,7 @@ def distinct(plans: list[Plan], cluster: Cluster) -> list[Plan]:
 
 def plan_table(plans: list[Plan], names: dict[str, str] | None = None) -> Table:
     """Plans, fastest decode first: stages joined by ">", a TP stage's nodes by ","; `names`
-    shows a live cluster's node ids by host name."""
+    shows a live cluster's node ids by host name; "untested" marks an unverified layout."""
     names = names or {}
     table = Table(
         "#",
@@ -246,7 +250,7 @@ def plan_table(plans: list[Plan], names: dict[str, str] | None = None) -> Table:
         ttft = p.prediction.ttft_s
         table.add_row(
             str(i),
-            p.kind + split,
+            p.kind + split + ("" if p.verified else " untested"),
             " > ".join(", ".join(names.get(n, n) for n in s.nodes) for s in p.stages),
             f"{p.prediction.decode_tps:.1f}",
             f"{p.prediction.prefill_tps:.0f}",
@@ -256,9 +260,13 @@ def plan_table(plans: list[Plan], names: dict[str, str] | None = None) -> Table:
     return table
 
 
-def plans_json(args: argparse.Namespace, cluster: Cluster, plans: list[Plan]) -> dict:
+def plans_json(
+    args: argparse.Namespace, cluster: Cluster, plans: list[Plan], family: Family
+) -> dict:
     return {
         "model": args.model,
+        "family": family.name,
+        "verified_layouts": list(family.verified),
         "context": args.context,
         "concurrency": args.concurrency,
         "cluster": cluster.to_dict(),
@@ -272,6 +280,8 @@ def plans_json(args: argparse.Namespace, cluster: Cluster, plans: list[Plan]) ->
                 "ttft_s": p.prediction.ttft_s,
                 "memory_free_gb": {n: p.memory_free[n] / GB for n in p.nodes},
                 "reason": p.reason,
+                "verified": p.verified,
+                "unverified": p.unverified or None,
             }
             for p in plans
         ],

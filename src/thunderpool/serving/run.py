@@ -39,6 +39,7 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
     from thunderpool.config import api_key_from_env
     from thunderpool.engine.loader import read_config
     from thunderpool.engine.service import EngineInfo
+    from thunderpool.models.families import guard
     from thunderpool.models.source import resolve_model
     from thunderpool.serving.gateway import Gateway
     from thunderpool.serving.supervisor import Supervisor
@@ -48,6 +49,8 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
     backend = resolve_backend(args, args.nodes or 2)
     model_dir = resolve_model(args.model)
     config = read_config(model_dir)
+    if not args.cluster:
+        guard(config, args.nodes or 2, args.parallel or "tp", args.allow_untested, console)
     tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
     limit = config.get("max_position_embeddings") or 4096
     max_context = min(args.max_context or limit, limit)

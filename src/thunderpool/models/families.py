@@ -1,0 +1,136 @@
+"""Which model families run sharded: mlx-lm model type -> layouts proven equal to one rank.
+
+One rank runs mlx-lm's own model, so it is allowed for every family mlx-lm ships. A sharded
+layout (world > 1) outside VERIFIED is refused before any rank starts, unless the user passes
+--allow-untested: a silent wrong answer is worse than a refusal.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from functools import cache
+
+from thunderpool.errors import UnverifiedLayoutError
+
+# Every entry must be backed by tests/parallel matrix cases (sharded == unsharded model).
+VERIFIED: dict[str, tuple[str, ...]] = {
+    "llama": ("tp", "pp"),
+    "qwen3": ("tp", "pp"),
+    "qwen3_moe": ("tp", "pp"),
+}
+
+LAYOUTS = ("tp", "pp")  # what --parallel launches; the planner's "hybrid" is verified on its own
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    model_type: str  # as config.json names it
+    name: str  # the mlx-lm module that builds it (after mlx-lm's aliases, e.g. mistral -> llama)
+    supported: bool  # mlx-lm ships a model for it
+
+    @property
+    def label(self) -> str:
+        return (
+            self.name if self.name == self.model_type else f"{self.model_type} (mlx-lm {self.name})"
+        )
+
+    @property
+    def verified(self) -> tuple[str, ...]:
+        return VERIFIED.get(self.name, ())
+
+
+@cache
+def _remapping() -> tuple[dict, dict]:
+    # mlx-lm's own alias tables, so a new mlx-lm's aliases are honoured without a change here.
+    import mlx_lm.utils as u
+
+    return getattr(u, "MODEL_REMAPPING", {}), getattr(u, "MODEL_ARCHITECTURE_REMAPPING", {})
+
+
+def family_of(config: dict) -> Family:
+    """The family mlx-lm builds for this config.json (mirrors mlx_lm.utils._get_classes)."""
+    model_type = str(config.get("model_type", ""))
+    by_type, by_arch = _remapping()
+    archs = config.get("architectures") or ()
+    archs = (archs,) if isinstance(archs, str) else archs
+    name = next(
+        (by_arch[(model_type, a)] for a in archs if (model_type, a) in by_arch),
+        by_type.get(model_type, model_type),
+    )
+    return Family(model_type, name, _ships(name))
+
+
+def _ships(name: str) -> bool:
+    try:
+        return bool(name) and importlib.util.find_spec(f"mlx_lm.models.{name}") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def unverified(family: Family, world: int, layout: str) -> str | None:
+    """Why `layout` on `world` ranks is not verified for this family; None when it is."""
+    if world <= 1 or layout in family.verified:
+        return None
+    return (
+        f"{family.label} with {layout} on {world} ranks is not verified against the unsharded "
+        f"model (verified for {family.name}: {_verified_text(family)})"
+    )
+
+
+def check_layout(
+    config: dict, world: int, layout: str, allow_untested: bool = False, flag: str = "--parallel"
+) -> str | None:
+    """Raise UnverifiedLayoutError for an unverified sharded layout; with `allow_untested`,
+    return the reason for a warning instead. A family mlx-lm does not ship passes: the
+    loader refuses it with its own message."""
+    family = family_of(config)
+    reason = unverified(family, world, layout) if family.supported else None
+    if reason is None or allow_untested:
+        return reason
+    fix = f"use {flag} {family.verified[0]}" if family.verified else "use --nodes 1"
+    raise UnverifiedLayoutError(f"{reason}; {fix}, or --allow-untested to run it anyway")
+
+
+def guard(
+    config: dict,
+    world: int,
+    layout: str,
+    allow_untested: bool,
+    console=None,
+    flag: str = "--parallel",
+) -> None:
+    """check_layout, printing the loud warning when --allow-untested lets it through."""
+    reason = check_layout(config, world, layout, allow_untested, flag)
+    if reason is not None:
+        warn_untested(reason, console)
+
+
+def warn_untested(reason: str, console=None) -> None:
+    from rich.console import Console
+
+    console = console or Console(stderr=True)
+    console.print(
+        f"[bold red]WARNING (--allow-untested):[/] [bold yellow]{reason}; "
+        "its output may be wrong[/]",
+        soft_wrap=True,
+    )
+
+
+def describe(family: Family) -> str:
+    """One line for `plan`/`simulate`: the verified layouts and what needs the flag."""
+    if not family.supported:
+        return (
+            f"verified layouts for {family.label}: none (mlx-lm has no {family.name} model, "
+            "so it cannot run here)"
+        )
+    rest = [x for x in LAYOUTS if x not in family.verified]
+    done = ", ".join(family.verified) or "none (single rank only)"
+    text = f"verified layouts for {family.label}: {done}"
+    if rest:
+        text += f"; {' and '.join(rest)} need{'s' if len(rest) == 1 else ''} --allow-untested"
+    return text
+
+
+def _verified_text(family: Family) -> str:
+    return ", ".join(family.verified) or "none, single rank only"
