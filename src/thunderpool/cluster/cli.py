@@ -129,7 +129,7 @@ def plan_main(args: argparse.Namespace) -> int:
     table = plan_table(plans[: args.top], names)
     console = Console()
     console.print(table)
-    console.print(verified_line(args.model))
+    console.print(verified_line(args.model), soft_wrap=True)
     # The winner is what `--cluster` would launch: verified plans only, unless allowed.
     runnable = [p for p in plans if p.verified or args.allow_untested]
     if runnable:
@@ -232,8 +232,8 @@ def _refusal(plan, runnable) -> ThunderpoolError:
 
     kinds = [p.kind for p in runnable if p.kind in ("tp", "pp")]
     fix = f"use --parallel {kinds[0]}" if kinds else "use --nodes 1" if runnable else ""
-    fix = f"{fix}, or " if fix else ""
-    return UnverifiedLayoutError(f"{plan.unverified}; {fix}--allow-untested to run it anyway")
+    fix = f"{fix}, or" if fix else "pass"
+    return UnverifiedLayoutError(f"{plan.unverified}; {fix} --allow-untested to run it anyway")
 
 
 def _named(text: str, state: ClusterState) -> str:

@@ -210,7 +210,7 @@ def simulate_main(args: argparse.Namespace) -> int:
     )
     console.print(plan_table(distinct(plans, cluster)[: args.top]))
     family = family_of({"model_type": spec.model_type})
-    console.print(describe(family))
+    console.print(describe(family), soft_wrap=True)
     console.print(explain(plans))
     if args.json:
         out = plans_json(args, cluster, plans, family)
