@@ -20,11 +20,13 @@ VERIFIED: dict[str, tuple[str, ...]] = {
     "qwen3_moe": ("tp", "pp"),
 }
 
-LAYOUTS = ("tp", "pp")  # what --parallel launches; the planner's "hybrid" is verified on its own
+LAYOUTS = ("tp", "pp")  # what --parallel launches; a planner "hybrid" plan needs its own entry
 
 
 @dataclass(frozen=True, slots=True)
 class Family:
+    """A config's model type and the mlx-lm model that runs it."""
+
     model_type: str  # as config.json names it
     name: str  # the mlx-lm module that builds it (after mlx-lm's aliases, e.g. mistral -> llama)
     supported: bool  # mlx-lm ships a model for it
@@ -61,6 +63,7 @@ def family_of(config: dict) -> Family:
     return Family(model_type, name, _ships(name))
 
 
+@cache
 def _ships(name: str) -> bool:
     try:
         return bool(name) and importlib.util.find_spec(f"mlx_lm.models.{name}") is not None
@@ -108,10 +111,11 @@ def guard(
 
 def warn_untested(reason: str, console=None) -> None:
     from rich.console import Console
+    from rich.markup import escape
 
     console = console or Console(stderr=True)
     console.print(
-        f"[bold red]WARNING (--allow-untested):[/] [bold yellow]{reason}; "
+        f"[bold red]WARNING (--allow-untested):[/] [bold yellow]{escape(reason)}; "
         "its output may be wrong[/]",
         soft_wrap=True,
     )
