@@ -18,6 +18,7 @@ from mlx_lm.utils import _get_classes
 import thunderpool.cluster.mpi as mpi
 from thunderpool import commands
 from thunderpool.cli import main
+from thunderpool.models import families
 
 # Gemma 3 (text): verified for no sharded layout yet; 4 layers cut sliding/full at 2.
 GEMMA3 = {
@@ -34,6 +35,13 @@ GEMMA3 = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+# The table as these tests assume it, whatever the matrix has verified since: the mechanism is
+# under test here (tests/unit/test_families.py checks the real table).
+PINNED = {"llama": ("tp", "pp")}
+CLI = (
+    "import sys; import thunderpool.models.families as f; f.VERIFIED = "
+    f"{PINNED!r}; from thunderpool.cli import main; sys.exit(main(sys.argv[1:]))"
+)
 REFUSAL = (
     "error: gemma3_text with pp on 2 ranks is not verified against the unsharded model "
     "(verified for gemma3_text: none, single rank only); use --nodes 1, or --allow-untested "
@@ -61,7 +69,7 @@ def gemma3(tmp_path_factory) -> Path:
 
 
 def generate(model: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "thunderpool", "generate", "--model", str(model), "--raw"]
+    cmd = [sys.executable, "-c", CLI, "generate", "--model", str(model), "--raw"]
     cmd += ["--prompt", "Hello there", "--max-tokens", "4", "--backend", "ring", *args]
     # The timeout only guards against a hang; a refusal takes seconds.
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -72,6 +80,11 @@ def test_generate_refuses_pp_on_an_unverified_family(gemma3):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [REFUSAL]
     assert proc.stdout == ""
+
+
+@pytest.fixture(autouse=True)
+def pinned(monkeypatch):
+    monkeypatch.setattr(families, "VERIFIED", PINNED)
 
 
 def test_refusal_starts_no_rank(gemma3, monkeypatch, capsys):
