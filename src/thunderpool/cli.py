@@ -255,6 +255,50 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; output cut short by its reader (`| head -1`) ends it quietly."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a reader gone by now shows here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        if not _stdout_unread():
+            raise
+        return _quiet_exit()
+    except SystemExit as e:
+        # rich turns a closed stdout into SystemExit(1), after pointing stdout at /dev/null.
+        if isinstance(e.__context__, BrokenPipeError) and _stdout_is_devnull():
+            return _quiet_exit()
+        raise
+
+
+def _stdout_unread() -> bool:
+    """Whether stdout is a pipe nobody reads any more (not some socket's broken pipe)."""
+    import select
+
+    if not hasattr(select, "poll"):
+        return True
+    poll = select.poll()
+    poll.register(sys.stdout.fileno(), select.POLLOUT)
+    return any(ev & select.POLLERR for _, ev in poll.poll(0))
+
+
+def _stdout_is_devnull() -> bool:
+    import os
+
+    return os.path.samestat(os.fstat(sys.stdout.fileno()), os.stat(os.devnull))
+
+
+def _quiet_exit() -> int:
+    """The ranks were stopped while the error unwound; exit as a process killed by SIGPIPE
+    would, with nothing more written and no traceback."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush must not fail too
+    return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so that every rank this process started is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

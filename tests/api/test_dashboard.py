@@ -36,6 +36,7 @@ CLUSTER = {
             "host": f"10.0.0.{i + 1}",
             "memory_total_bytes": total * GIB,
             "memory_used_bytes": used * GIB,
+            "rss_bytes": used * GIB,
             "param_bytes": params * GIB,
             "peak_rss_bytes": peak * GIB,
             "speed": {"mem_bw_gbps": bw},
@@ -45,18 +46,26 @@ CLUSTER = {
         )
     ],
     "links": [
-        {"a": "node-0", "b": "node-1", "latency_ms": 0.05, "bandwidth_gbps": 7.5, "kind": "rdma"},
+        {
+            "a": "node-0",
+            "b": "node-1",
+            "a_address": "10.0.0.1",
+            "b_address": "10.0.0.2",
+            "rtt_ms": 0.05,
+            "bandwidth_gbps": 7.5,
+            "kind": "rdma",
+        },
         {
             "a": "node-0",
             "b": "node-2",
-            "latency_ms": 0.9,
+            "rtt_ms": 0.9,
             "bandwidth_gbps": 4.1,
             "kind": "thunderbolt",
         },
         {
             "a": "node-1",
             "b": "node-2",
-            "latency_ms": 2.3,
+            "rtt_ms": 2.3,
             "bandwidth_gbps": 0.1,
             "kind": "ethernet",
         },
@@ -179,6 +188,37 @@ def test_dashboard_renders_cluster_and_metrics(api, tmp_path):
     assert "q heads 0–4 (5)" in placement and "kv head 2" in placement
     assert re.findall(r'<tr data-kind="(\w+)">', dom) == ["rdma", "thunderbolt", "ethernet"]
     assert ">RDMA<" in dom
+
+
+def cells(html: str) -> list[str]:
+    """The text of every leaf element, in document order."""
+    return [unescape(t).strip() for t in re.findall(r">([^<>]+)<", html) if t.strip()]
+
+
+def test_dashboard_shows_each_ranks_host_memory_and_links(api, tmp_path):
+    fake, url = api
+    fake.loading = None
+    dom = chromium(tmp_path, "--dump-dom", url)
+    start = dom.index('id="nodes"')
+    cards = dom[start : dom.index("</section>", start)].split('class="node-card"')[1:]
+    assert len(cards) == 3
+    for i, (card, node) in enumerate(zip(cards, CLUSTER["nodes"], strict=True)):
+        text = cells(card)
+        assert node["host"] in text, text
+        start = text.index("params")  # then label, value pairs to the card's end
+        rows = dict(zip(text[start::2], text[start + 1 :: 2], strict=True))
+        params, used, peak = (node[k] / GIB for k in ("param_bytes", "rss_bytes", "peak_rss_bytes"))
+        assert rows["params"] == f"{params:.1f} GiB", (i, rows)
+        assert rows["RSS"] == f"{used:.1f} GiB", (i, rows)
+        assert rows["peak RSS"] == f"{peak:.1f} GiB", (i, rows)
+    table = dom[dom.index('id="links"') : dom.index('id="links-empty"')]
+    rows = re.findall(r"<tr data-kind=.*?</tr>", table)
+    assert [cells(r) for r in rows] == [
+        ["node-0 ↔ node-1", "RDMA", "50 µs", "7.5 GB/s"],
+        ["node-0 ↔ node-2", "thunderbolt", "900 µs", "4.1 GB/s"],
+        ["node-1 ↔ node-2", "ethernet", "2.30 ms", "0.1 GB/s"],
+    ]
+    assert 'title="10.0.0.1 ↔ 10.0.0.2"' in rows[0]
 
 
 def test_dashboard_shows_load_progress(api, tmp_path):

@@ -231,7 +231,7 @@ class FakeScheduler:
 @pytest.fixture
 def leader() -> Iterator[tuple[LeaderServer, FakeScheduler]]:
     scheduler = FakeScheduler()
-    server = LeaderServer("127.0.0.1", TOKEN, scheduler, {"tp": 1}, 64, lambda: {}).start()
+    server = LeaderServer("127.0.0.1", TOKEN, scheduler, 64, lambda: {}).start()
     try:
         yield server, scheduler
     finally:

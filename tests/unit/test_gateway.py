@@ -50,7 +50,7 @@ class FakeScheduler:
 
 
 def leader(scheduler: FakeScheduler) -> LeaderServer:
-    return LeaderServer("127.0.0.1", TOKEN, scheduler, {"nodes": []}, 64, lambda: {}).start()
+    return LeaderServer("127.0.0.1", TOKEN, scheduler, 64, lambda: {}).start()
 
 
 async def drain(gen) -> list[Delta]:

@@ -32,7 +32,11 @@ ERRORS = {
 }
 
 RETRY_AFTER = {"Retry-After": {"required": True, "schema": {"type": "string"}}}
-CLUSTER = {"content": {"application/json": {"schema": {"type": "object"}}}}
+CLUSTER = {
+    "description": "the model; each rank's host, parameters, RSS and peak RSS (`nodes`); each "
+    "measured link once (`links`); which layers and heads each rank holds (`placement`)",
+    "content": {"application/json": {"schema": {"type": "object"}}},
+}
 
 
 class Health(BaseModel):

@@ -117,16 +117,5 @@ class StopInstance(Wire):
     reason: str = ""
 
 
-class RankExited(Wire):
-    kind: Literal["rank_exited"] = "rank_exited"
-    instance_id: str
-    node_id: str
-    rank: int
-    code: int
-    last_error: str = ""
-
-
-Message = Annotated[
-    Hello | Left | LinkMeasured | StartRanks | StopInstance | RankExited,
-    Field(discriminator="kind"),
-]
+# What the state's reducer applies (StartRanks and StopInstance go to an agent, not to it).
+Message = Annotated[Hello | Left | LinkMeasured, Field(discriminator="kind")]

@@ -58,9 +58,19 @@ class LoadStats:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    """Peak resident set size of this process.
+
+    On Linux ru_maxrss starts at the forking parent's RSS (it survives exec), so a rank
+    started by a large launcher would report the launcher's size; VmHWM is this process's own.
+    """
+    try:
+        status = Path("/proc/self/status").read_text()
+        line = next(ln for ln in status.splitlines() if ln.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, IndexError, ValueError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    return peak if sys.platform == "darwin" else peak * 1024  # KiB on Linux, bytes on macOS
 
 
 def check_safetensors(path: Path) -> None:

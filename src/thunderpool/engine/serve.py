@@ -6,6 +6,7 @@ leader takes requests from it over the engine link and streams deltas back.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,7 @@ from thunderpool.config import link_token_from_env
 from thunderpool.engine.control import Control
 from thunderpool.engine.engine import follow
 from thunderpool.engine.job import RankJob, ServeTask
-from thunderpool.engine.loader import Layout, describe_layout, load_shard, peak_rss_bytes
+from thunderpool.engine.loader import Layout, load_shard, peak_rss_bytes
 from thunderpool.errors import LaunchError
 
 
@@ -47,6 +48,7 @@ def serve(
         Path(job.model_dir), group, layout, load_progress(group.rank())
     )
     emit("loaded", **stats.as_event())
+    report_memory(emit)
     memory = gather(group, [stats.param_bytes, peak_rss_bytes()])
     control = Control(group)
     if group.rank() != 0:
@@ -85,8 +87,7 @@ def serve(
             "leader_time": time.time(),
         }
 
-    cluster = _cluster_info(task.model_name, config, layout, group.size(), memory, stats.method)
-    server = LeaderServer(task.link_host, token, scheduler, cluster, max_context, metrics).start()
+    server = LeaderServer(task.link_host, token, scheduler, max_context, metrics).start()
     emit("ready", link_port=server.port)
     try:
         scheduler.run()
@@ -105,34 +106,22 @@ def current_rss_bytes() -> float:
     return float(pages * os.sysconf("SC_PAGE_SIZE"))
 
 
-def _cluster_info(
-    model: str, config: dict, layout: Layout, world: int, memory: np.ndarray, method: str
-) -> dict:
-    import os
+MEMORY_EVERY_S = 5.0
 
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    nodes = [
-        {
-            "name": f"rank{r}",
-            "rank": r,
-            "host": "127.0.0.1",
-            "memory_total_bytes": total,
-            "memory_used_bytes": float(rss),
-            "param_bytes": float(params),
-            "peak_rss_bytes": float(rss),
-            "speed": {"mem_bw_gbps": None},
-        }
-        for r, (params, rss) in enumerate(memory)
-    ]
-    links = [
-        {
-            "a": f"rank{r}",
-            "b": f"rank{(r + 1) % world}",
-            "latency_ms": None,
-            "bandwidth_gbps": None,
-            "kind": "loopback",
-        }
-        for r in range(world if world > 1 else 0)
-    ]
-    placement = describe_layout(config, layout, world) | {"method": method}
-    return {"model": model, "nodes": nodes, "links": links, "placement": placement}
+
+def report_memory(emit: Callable[..., None]) -> None:
+    """This rank's RSS and peak for the serve process's view: now, then whenever RSS moves."""
+
+    def report() -> float:
+        rss = current_rss_bytes()
+        emit("memory", rss_bytes=int(rss), peak_rss_bytes=peak_rss_bytes())
+        return rss
+
+    def watch(last: float) -> None:
+        while True:
+            time.sleep(MEMORY_EVERY_S)
+            # Only changes are sent: an idle rank stays silent (agents keep every event).
+            if abs(current_rss_bytes() - last) >= max(0.02 * last, 1 << 20):
+                last = report()
+
+    threading.Thread(target=watch, args=(report(),), name="memory", daemon=True).start()

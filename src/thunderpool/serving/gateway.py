@@ -114,8 +114,6 @@ class Gateway:
             sock.close()
             raise
         sock.settimeout(None)
-        cluster = {**self.info.cluster, **info.cluster}
-        self.info = dataclasses.replace(self.info, cluster=cluster)
         with self._lock:
             self._generation += 1
             self._sock = sock

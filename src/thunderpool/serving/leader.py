@@ -39,7 +39,7 @@ class _Connection(socketserver.BaseRequestHandler):
         out: queue.Queue = queue.Queue()
         sids: dict[int, int] = {}  # gateway id -> scheduler id
         writer = threading.Thread(target=self._write, args=(sock, out), daemon=True)
-        out.put(link.Info(cluster=self.server.cluster, max_context=self.server.max_context))
+        out.put(link.Info(max_context=self.server.max_context))
         writer.start()
         try:
             while (msg := link.recv(sock, link.ToLeader)) is not None:
@@ -123,12 +123,11 @@ class LeaderServer(socketserver.ThreadingTCPServer):
         host: str,
         token: str,
         scheduler: Scheduler,
-        cluster: dict,
         max_context: int,
         metrics: Callable[[], dict[str, float]],
     ):
         super().__init__((host, 0), _Connection)
-        self.token, self.scheduler, self.cluster = token, scheduler, cluster
+        self.token, self.scheduler = token, scheduler
         self.max_context, self.metrics = max_context, metrics
         self.port = self.server_address[1]
 

@@ -66,10 +66,9 @@ class DeltaMsg(_Msg):
 
 
 class Info(_Msg):
-    """Sent once after the handshake: what the dashboard shows about the instance."""
+    """Sent once after the handshake: the leader is ready for requests."""
 
     kind: Literal["info"] = "info"
-    cluster: dict
     max_context: int
 
 

@@ -43,6 +43,7 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
     from thunderpool.models.source import resolve_model
     from thunderpool.serving.gateway import Gateway
     from thunderpool.serving.supervisor import Supervisor
+    from thunderpool.serving.view import ClusterView
 
     api_key = args.api_key or api_key_from_env()
     check_exposure(args.host, api_key, args.insecure)
@@ -63,7 +64,8 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
         plan = _local(args, backend, model_dir, name, max_context, token)
         console.print(f"{args.nodes or 2} local ranks, {LOCAL_BACKENDS[backend]}")
     gateway = Gateway(info, tokenizer, token)
-    supervisor = Supervisor(gateway, plan, console, on_event=_print_loaded(console))
+    view = ClusterView(config)
+    supervisor = Supervisor(gateway, plan, console, on_event=_print_loaded(console), view=view)
     url = _start_api(args, gateway, supervisor, api_key)
     console.print(f"API and dashboard at {url} (loading {name}); Ctrl-C stops every rank")
     if members is not None:

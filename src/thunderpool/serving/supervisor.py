@@ -18,6 +18,7 @@ from rich.console import Console
 from thunderpool.errors import LaunchError, ThunderpoolError
 from thunderpool.serving.gateway import Gateway
 from thunderpool.serving.link import FrameError
+from thunderpool.serving.view import ClusterView
 
 RETRY_S = 2.0  # between attempts to plan when the model fits nowhere
 MAX_START_FAILURES = 3  # instances in a row that die before serving: give up
@@ -40,8 +41,10 @@ class Supervisor:
         plan: Callable[[bool], Instance],
         console: Console,
         on_event: Callable[[object], None] = lambda ev: None,
+        view: ClusterView | None = None,
     ):
         self.gateway, self.plan, self.console, self.on_event = gateway, plan, console, on_event
+        self.view = view  # /v1/cluster's nodes, links and placement, from the ranks' reports
         self.instance: Instance | None = None
         self.generation = 0  # instances started so far (the dashboard and tests read it)
         self._replan = threading.Event()
@@ -81,11 +84,15 @@ class Supervisor:
         self.gateway.loading(0.0, "loading model shards", phase)
         world = getattr(getattr(instance, "job", None), "world_size", 1)
         done: dict[int, float] = {}
+        if self.view is not None:
+            self.gateway.set_cluster(**self.view.begin(instance))
         try:
             with instance:
                 for ev in self._events(instance):
                     e = ev.event
                     self.on_event(ev)
+                    if self.view is not None and (shown := self.view.observe(ev.rank, e)):
+                        self.gateway.set_cluster(**shown)
                     match e["kind"]:
                         case "progress":
                             done[ev.rank] = e["fraction"]

@@ -121,9 +121,8 @@ function memoryBar(node) {
   return bar;
 }
 
-function nodeCard(node, rankMemory) {
+function nodeCard(node) {
   const rank = node.rank;
-  const live = isNum(rank) ? rankMemory[String(rank)] : undefined;
   const bw = node.speed ? node.speed.mem_bw_gbps : null;
   const speed = isNum(bw) ? `${fmtNum(bw, 0)} GB/s` : "—";
   const row = (label, value) =>
@@ -143,14 +142,14 @@ function nodeCard(node, rankMemory) {
   el("div", { class: "membar-caption muted" },
     `${fmtBytes(node.memory_used_bytes)} used of ${fmtBytes(node.memory_total_bytes)}`),
   row("params", fmtBytes(node.param_bytes)),
+  row("RSS", fmtBytes(node.rss_bytes)),
   row("peak RSS", fmtBytes(node.peak_rss_bytes)),
-  isNum(live) ? row("rank memory (live)", fmtBytes(live)) : null,
   row("memory bandwidth", speed));
 }
 
-function renderNodes(nodes, rankMemory) {
+function renderNodes(nodes) {
   const box = byId("nodes");
-  box.replaceChildren(...nodes.map((n) => nodeCard(n, rankMemory)));
+  box.replaceChildren(...nodes.map(nodeCard));
   if (!nodes.length) box.append(el("p", { class: "muted" }, "no nodes yet"));
 }
 
@@ -223,10 +222,11 @@ function renderLinks(links) {
   const body = document.querySelector("#links tbody");
   body.replaceChildren(...links.map((l) => {
     const kind = l.kind || "unknown";
+    const addresses = l.a_address && l.b_address ? `${l.a_address} ↔ ${l.b_address}` : null;
     return el("tr", { "data-kind": kind },
-      el("td", {}, `${l.a ?? "?"} ↔ ${l.b ?? "?"}`),
+      el("td", { title: addresses }, `${l.a ?? "?"} ↔ ${l.b ?? "?"}`),
       el("td", {}, el("span", { class: `kind kind-${kind}` }, kind === "rdma" ? "RDMA" : kind)),
-      el("td", { class: "num" }, fmtLatency(l.latency_ms)),
+      el("td", { class: "num" }, fmtLatency(l.rtt_ms)),
       el("td", { class: "num" },
         isNum(l.bandwidth_gbps) ? `${fmtNum(l.bandwidth_gbps, 1)} GB/s` : "—"));
   }));
@@ -234,9 +234,9 @@ function renderLinks(links) {
   byId("links-empty").hidden = links.length > 0;
 }
 
-function renderCluster(cluster, rankMemory) {
+function renderCluster(cluster) {
   // Rebuild only on change, so hover titles and text selection survive the 1 s poll.
-  const key = JSON.stringify([cluster, rankMemory]);
+  const key = JSON.stringify(cluster);
   if (key === lastClusterKey) return;
   lastClusterKey = key;
   const nodes = Array.isArray(cluster.nodes) ? cluster.nodes : [];
@@ -245,7 +245,7 @@ function renderCluster(cluster, rankMemory) {
   document.title = cluster.model ? `${cluster.model} · thunderpool` : "thunderpool";
   byId("node-count").textContent = String(nodes.length);
   byId("node-count").dataset.count = String(nodes.length);
-  renderNodes(nodes, rankMemory);
+  renderNodes(nodes);
   renderPlacement(cluster.placement, nodes);
   renderLinks(Array.isArray(cluster.links) ? cluster.links : []);
 }
@@ -287,14 +287,6 @@ function renderMetrics(metrics) {
   renderSparkline();
 }
 
-function rankMemoryOf(metrics) {
-  const out = {};
-  for (const s of metrics.thunderpool_rank_memory_bytes || []) {
-    if (s.labels.rank !== undefined) out[s.labels.rank] = s.value;
-  }
-  return out;
-}
-
 // A server started with --api-key needs it on /v1 and /metrics: open the page as /?key=KEY.
 const API_KEY = new URLSearchParams(location.search).get("key");
 const AUTH = API_KEY ? { Authorization: `Bearer ${API_KEY}` } : {};
@@ -317,7 +309,7 @@ async function poll() {
   const parsed = metrics.status === "fulfilled" ? parseMetrics(metrics.value) : {};
   renderMetrics(parsed);
   if (cluster.status === "fulfilled" && cluster.value.res.ok && cluster.value.body) {
-    renderCluster(cluster.value.body, rankMemoryOf(parsed));
+    renderCluster(cluster.value.body);
   }
   byId("status-line").textContent = `updated ${new Date().toLocaleTimeString()}`;
 }
