@@ -3,6 +3,8 @@ for every stored dtype the vocabulary uses; a tensor changed on load is sliced i
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ def stored(tmp_path):
     tensors = {
         "model.embed_tokens.weight": embed,
         "lm_head.weight": embed.astype(mx.bfloat16),
+        "half.weight": embed.astype(mx.float16),
         "language_model.model.norm.weight": mx.ones((64,), mx.float16),
         "q.weight": q,
         "q.scales": scales,
@@ -29,7 +32,15 @@ def stored(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name", ["model.embed_tokens.weight", "lm_head.weight", "q.weight", "q.scales", "q.biases"]
+    "name",
+    [
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "half.weight",
+        "q.weight",
+        "q.scales",
+        "q.biases",
+    ],
 )
 @pytest.mark.parametrize(("a", "b"), [(0, 101), (101, 201), (201, 300)])
 def test_rows_read_from_the_file_equal_the_lazy_rows(stored, name, a, b):
@@ -58,3 +69,15 @@ def test_a_tensor_changed_on_load_is_sliced_not_read(stored):
         )
     # A different tensor of the same shape under another name is not taken for it.
     assert rows._find("model.embed_tokens.weight", lazy["lm_head.weight"]) is None
+
+
+def test_a_file_cut_after_its_header_was_read_is_a_clear_error(stored, tmp_path):
+    from thunderpool.errors import ModelError
+
+    _, lazy, path = stored
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(path.read_bytes())
+    rows = StoredRows([cut])
+    os.truncate(cut, rows._find("q.biases", lazy["q.biases"]).offset + 10)
+    with pytest.raises(ModelError, match="ends inside q.biases"):
+        rows.rows("q.biases", lazy["q.biases"], 0, 300)

@@ -9,23 +9,24 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
-# safetensors dtype -> (MLX dtype, numpy dtype with the same bytes); bf16 travels as uint16.
+from thunderpool.errors import ModelError
+
+# safetensors dtype -> (MLX dtype, the dtype its bytes are read as: Python's buffer protocol
+# has no bfloat16, so bf16 is read as uint16 and viewed, which shares the buffer).
 _DTYPES = {
-    "F32": (mx.float32, np.float32),
-    "F16": (mx.float16, np.float16),
-    "BF16": (mx.bfloat16, np.uint16),
-    "U32": (mx.uint32, np.uint32),
-    "I32": (mx.int32, np.int32),
-    "U8": (mx.uint8, np.uint8),
-    "I8": (mx.int8, np.int8),
+    "F32": (mx.float32, mx.float32),
+    "F16": (mx.float16, mx.float16),
+    "BF16": (mx.bfloat16, mx.uint16),
+    "U32": (mx.uint32, mx.uint32),
+    "I32": (mx.int32, mx.int32),
+    "U8": (mx.uint8, mx.uint8),
+    "I8": (mx.int8, mx.int8),
 }
 
 
@@ -61,12 +62,23 @@ class StoredRows:
         stored = self._find(name, lazy)
         if stored is None:
             return mx.contiguous(lazy[a:b])
-        dtype, np_dtype = _DTYPES[stored.dtype]
-        row = math.prod(stored.shape[1:])
-        start = stored.offset + a * row * np.dtype(np_dtype).itemsize
-        data = np.fromfile(stored.path, dtype=np_dtype, count=(b - a) * row, offset=start)
-        out = mx.array(data.reshape(b - a, *stored.shape[1:]))
-        return out.view(dtype) if out.dtype != dtype else out
+        dtype, carrier = _DTYPES[stored.dtype]
+        shape = (b - a, *stored.shape[1:])
+        # Read into MLX's own buffer: no second copy of the rows passes through numpy.
+        out = mx.zeros(shape, carrier)
+        mx.eval(out)
+        try:
+            view = memoryview(out).cast("B")
+        except (TypeError, ValueError, BufferError):  # a backend without host-visible memory
+            return mx.contiguous(lazy[a:b])
+        with view as buf, stored.path.open("rb") as f:
+            f.seek(stored.offset + a * (buf.nbytes // shape[0]))
+            complete = f.readinto(buf) == buf.nbytes
+        if not complete:
+            raise ModelError(
+                f"{stored.path} ends inside {name} (rows {a}..{b}); re-download or re-import it"
+            )
+        return out.view(dtype) if carrier != dtype else out
 
     def _find(self, name: str, lazy: mx.array) -> Stored | None:
         """The one stored tensor that `lazy` is: same name (or a prefixed one, as checkpoints
