@@ -81,3 +81,21 @@ def test_a_file_cut_after_its_header_was_read_is_a_clear_error(stored, tmp_path)
     os.truncate(cut, rows._find("q.biases", lazy["q.biases"]).offset + 10)
     with pytest.raises(ModelError, match="ends inside q.biases"):
         rows.rows("q.biases", lazy["q.biases"], 0, 300)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
+def test_the_loader_reads_the_vocabulary_from_the_file(tiny_models, kind):
+    """On mlx-lm's own lazy build (sanitize included) every vocabulary tensor is found in the
+    file, so TP ranks read only their rows: the full table never enters memory."""
+    from thunderpool.engine.loader import build_lazy
+
+    model, _ = build_lazy(tiny_models[kind])
+    rows = StoredRows.of(tiny_models[kind])
+    tables = {"model.embed_tokens": model.model.embed_tokens}
+    if "lm_head" in model:
+        tables["lm_head"] = model.lm_head
+    assert len(tables) == (1 if kind == "qwen3" else 2)  # qwen3's head is tied
+    for name, module in tables.items():
+        lazy = module["weight"]
+        assert rows._find(f"{name}.weight", lazy) is not None, name
+        assert mx.array_equal(rows.rows(f"{name}.weight", lazy, 100, 256), lazy[100:256]).item()
