@@ -1,6 +1,6 @@
-"""Collectives per decode step, counted exactly: TP issues 2 all_sums per layer, one
-all_gather of the split output head's logits and one control exchange; PP one send and one
-recv on the leader plus the exchange. Counted by the
+"""Collectives per decode step, counted exactly: TP issues 2 all_sums per layer, one all_sum
+of the split embedding's lookup, one all_gather of the split output head's logits and one
+control exchange; PP one send and one recv on the leader plus the exchange. Counted by the
 bench's shim around mx.distributed inside real 2-rank runs, and in one process. Serve's decode
 bursts (continuous batching) issue the same per step: no JSON command, one exchange."""
 
@@ -18,7 +18,9 @@ from thunderpool.engine.loader import Layout, load_shard
 from thunderpool.parallel import tensor
 
 LAYERS = 4  # num_hidden_layers of the tiny checkpoints in conftest.py
-TP_STEP = {"all_gather": 1, "all_sum": 2 * LAYERS + 1}
+# 2 per layer + the embedding's + the control exchange's all_sum; the logits' all_gather.
+TP_STEP = {"all_gather": 1, "all_sum": 2 * LAYERS + 2}
+TP_MODEL = 2 * LAYERS + 2  # all but the control exchange
 
 
 def test_shim_counts_and_restores():
@@ -60,9 +62,9 @@ def test_one_process_tp_layout_counts_two_all_sums_per_layer(tiny_models):
     ("kind", "parallel", "weights", "by_op", "model"),
     [
         # mlx-lm's even shard (llama, 2 KV heads) and our uneven one (qwen3, 3 KV heads).
-        ("llama", "tp", None, TP_STEP, 2 * LAYERS + 1),
-        ("qwen3", "tp", None, TP_STEP, 2 * LAYERS + 1),
-        ("qwen3", "tp", (1.0, 2.0), TP_STEP, 2 * LAYERS + 1),
+        ("llama", "tp", None, TP_STEP, TP_MODEL),
+        ("qwen3", "tp", None, TP_STEP, TP_MODEL),
+        ("qwen3", "tp", (1.0, 2.0), TP_STEP, TP_MODEL),
         ("llama", "pp", None, {"all_sum": 1, "recv": 1, "send": 1}, 2),
     ],
 )
@@ -84,9 +86,10 @@ def _minus(after: dict, before: dict) -> dict:
 @pytest.mark.parametrize(("kind", "pipeline"), [("llama", True), ("llama", False), ("qwen3", None)])
 def test_two_ranks_count_per_serve_decode_step(tiny_models, tmp_path, kind, pipeline):
     """One request through serve's scheduler on 2 TP ranks: the prefill, one "step" command
-    that starts a burst, then burst steps, each built exactly once: 2 all_sums per layer + the
-    exchange, and the logits' all_gather. Pipelined, the leader builds step k+1 before it
-    delivers token k, so the first "token gap" holds two steps and the last none."""
+    that starts a burst, then burst steps, each built exactly once: 2 all_sums per layer, the
+    embedding's and the exchange's, and the logits' all_gather. Pipelined, the leader builds
+    step k+1 before it delivers token k, so the first "token gap" holds two steps and the last
+    none."""
     request = {"prompt": list(range(3, 20)), "params": {"max_tokens": 8}}
     spec = {"model": str(tiny_models[kind]), "requests": [request], "count": True}
     got = run_ranks(spec | {"pipeline": pipeline}, tmp_path)
@@ -109,5 +112,5 @@ def test_two_ranks_count_per_serve_decode_step(tiny_models, tmp_path, kind, pipe
     assert per_token[7][1] - per_token[0][1] == 7
     assert _minus(per_token[7][0], per_token[0][0]) == {
         "all_gather": 7,
-        "all_sum": 7 * (2 * LAYERS + 1),
+        "all_sum": 7 * (2 * LAYERS + 2),
     }

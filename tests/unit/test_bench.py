@@ -190,8 +190,9 @@ def test_run_bench_on_tiny_llama(tiny_models, tmp_path):
 
     tp, pp = results["parallel"]["tp2"], results["parallel"]["pp2"]
     assert (tp["parallel"], tp["world_size"]) == ("tp", 2)
-    assert tp["collectives_per_token"] == 2 * LAYERS + 1  # + the split head's all_gather
-    by_op = {"all_gather": 1, "all_sum": 2 * LAYERS + 1}
+    # + the split embedding's all_sum and the split head's all_gather
+    assert tp["collectives_per_token"] == 2 * LAYERS + 2
+    by_op = {"all_gather": 1, "all_sum": 2 * LAYERS + 2}  # + the control exchange
     assert tp["breakdown"]["collectives_per_step"]["by_op"] == by_op
     assert tp["breakdown"]["logits_all_gather_ms"] > 0
     assert (pp["parallel"], pp["world_size"]) == ("pp", 2)

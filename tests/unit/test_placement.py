@@ -47,13 +47,13 @@ def test_tp_wins_over_rdma(spec):
     plans = place(spec, nodes, [LinkSpec("a", "b", 10e-6, 8e9, "rdma")])
     check_fits(plans, nodes)
     assert plans[0].kind == "tp" and plans[0].nodes == ("a", "b")
-    # + the split head's logits all_gather and the command all_sum
-    assert plans[0].prediction.collectives_per_token == 2 * 32 + 2
+    # + the split embedding's all_sum, the split head's all_gather and the command all_sum
+    assert plans[0].prediction.collectives_per_token == 2 * 32 + 3
     # Memory-bound decode nearly halves: each node reads half the layers.
     single = next(p for p in plans if p.kind == "single")
     assert plans[0].prediction.decode_tps > 1.6 * single.prediction.decode_tps
     text = explain(plans)
-    assert text.startswith("winner: tp over a,b") and "66 collectives" in text and "rdma" in text
+    assert text.startswith("winner: tp over a,b") and "67 collectives" in text and "rdma" in text
 
 
 def test_tp_loses_across_a_slow_link(spec):

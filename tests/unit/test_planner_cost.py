@@ -42,17 +42,17 @@ def test_tp_pays_two_ring_all_reduces_per_layer():
     nodes = {"a": node("a"), "b": node("b")}
     link = LinkSpec("a", "b", 1e-3, 1e9, "ethernet")
     pred = predict(spec, [Stage(("a", "b"), (0, 8), (1.0, 1.0))], nodes, [link], prompt_tokens=16)
-    # Ring over 2 ranks: (2*1/2) * 1024 B / 1e9 + 2 * 1 ms, 16 times; the split head's
-    # all_gather of 64 two-byte logits: 1/2 * 128 B / 1e9 + 1 ms; plus the leader's
-    # 512-byte command all_sum once per step.
-    assert pred.collectives_per_token == 16 + 1 + 1
-    expected = 16 * (1024 / 1e9 + 2e-3) + (64 / 1e9 + 1e-3) + (512 / 1e9 + 2e-3)
+    # Ring over 2 ranks: (2*1/2) * 1024 B / 1e9 + 2 * 1 ms, 16 times and once more for the
+    # split embedding's lookup; the split head's all_gather of 64 two-byte logits:
+    # 1/2 * 128 B / 1e9 + 1 ms; plus the leader's 512-byte command all_sum once per step.
+    assert pred.collectives_per_token == 16 + 2 + 1
+    expected = 17 * (1024 / 1e9 + 2e-3) + (64 / 1e9 + 1e-3) + (512 / 1e9 + 2e-3)
     assert pred.breakdown.collective_s == pytest.approx(expected, rel=1e-12)
 
 
 def test_tp_splits_the_output_head_by_weight():
-    """Each TP rank reads its weight share of the (tied) output matrix and holds the whole
-    embedding plus its rows; PP's first stage reads and holds the head whole."""
+    """Each TP rank reads and holds its weight share of the (tied) vocabulary matrix, once;
+    PP's first stage reads and holds it whole."""
     from thunderpool.planner.cost import head_share, read_bytes, weight_bytes
 
     spec = model_spec_from_config({**CONFIG, "vocab_size": 32000})
@@ -67,7 +67,12 @@ def test_tp_splits_the_output_head_by_weight():
         spec.output_bytes * 0.75 + spec.norm_bytes
     )
     held = weight_bytes(spec, stage, b, 0.75) - weight_bytes(spec, stage, b, 0.0)
-    assert held == pytest.approx(spec.embed_bytes + spec.norm_bytes + 0.75 * spec.embed_bytes)
+    assert spec.head_bytes == 0  # tied
+    assert held == pytest.approx(0.75 * spec.embed_bytes + spec.norm_bytes)
+    untied = model_spec_from_config({**CONFIG, "vocab_size": 32000, "tie_word_embeddings": False})
+    held = weight_bytes(untied, stage, b, 0.75) - weight_bytes(untied, stage, b, 0.0)
+    assert untied.head_bytes == untied.embed_bytes > 0
+    assert held == pytest.approx(0.75 * 2 * untied.embed_bytes + untied.norm_bytes)
 
 
 def test_pp_pays_one_hop_per_boundary_including_the_return():

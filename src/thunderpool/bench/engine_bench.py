@@ -23,6 +23,7 @@ from thunderpool.engine.engine import Leader
 from thunderpool.engine.job import BenchTask
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.errors import ThunderpoolError
+from thunderpool.parallel.vocab import split_head_of
 
 PROMPT_SEED = 0
 WARMUP_TOKENS = 4
@@ -169,7 +170,7 @@ def step_breakdown(
         hidden_ms = leader.probe((1, 1, hidden), PROBE_REPEATS) * 1e3
         control_ms = leader.probe((leader.control.min_elements,), PROBE_REPEATS) * 1e3
         if counts["by_op"].get("all_gather"):
-            rows = leader.runner.model.lm_head.width
+            rows = split_head_of(leader.runner.model).width
             gather_ms = leader.probe((rows, 1), PROBE_REPEATS, "all_gather") * 1e3
     split = decode_breakdown(step_ms, parallel, by_rank, counts, hidden_ms, control_ms, gather_ms)
     return {

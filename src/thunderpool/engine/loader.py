@@ -25,6 +25,7 @@ from thunderpool.engine.runner import Runner
 from thunderpool.errors import ModelError
 from thunderpool.parallel import tensor, vocab
 from thunderpool.parallel.pipeline import PipelineStage, split_layers
+from thunderpool.parallel.stored_rows import StoredRows
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +144,8 @@ def load_shard(
     elif group.size() > 1:
         weights = list(layout.tp_weights or []) or None
         method = tensor.shard(model, group, weights)
-        vocab.split_head(model, group, weights)
+        # The vocabulary rows are read from the files: the full table never enters memory.
+        vocab.split_vocab(model, group, weights, StoredRows.of(model_dir).rows)
     try:
         for i, layer in enumerate(model.layers):
             mx.eval(layer.parameters())

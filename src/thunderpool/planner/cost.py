@@ -3,11 +3,11 @@
 Each rank's decode time is max(bytes read / memory bandwidth, FLOPs / compute) plus a fixed
 dispatch cost per weight matmul (kernel launch and sync: it does not shrink when TP splits the
 matmul). A TP stage runs its ranks in parallel (the slowest rank sets the pace) and pays 2
-all-reduces per layer; a pure TP layout also splits the output head over its ranks and
-gathers the logits once per step (parallel/vocab.py). PP stages run one after another for a
-single stream and pay one hop per stage boundary, plus the hop that returns the last hidden
-state to rank 0 (which holds the embedding and output head). Every collective also pays its
-link's fixed software overhead.
+all-reduces per layer; a pure TP layout also splits the vocabulary over its ranks: one
+all-reduce of the embedded tokens and one gather of the logits per step (parallel/vocab.py).
+PP stages run one after another for a single stream and pay one hop per stage boundary, plus
+the hop that returns the last hidden state to rank 0 (which holds the embedding and output
+head). Every collective also pays its link's fixed software overhead.
 """
 
 from __future__ import annotations
@@ -191,13 +191,13 @@ def head_share(stages: tuple[Stage, ...] | list[Stage], k: int, share: Share) ->
 
 
 def weight_bytes(spec: ModelSpec, stage: Stage, share: Share, head: float) -> float:
-    """Bytes of weights a rank holds (`head`: see head_share). A split head keeps the whole
-    embedding for the input plus its rows of the output matrix (a copy, when tied)."""
+    """Bytes of weights a rank holds (`head`: see head_share). A split vocabulary keeps its
+    rows of the embedding and of an untied head (a tied head is those same rows)."""
     io = 0.0
     if head == 1.0:
         io = _io_bytes(spec)
     elif head:
-        io = spec.embed_bytes + spec.norm_bytes + spec.output_bytes * head
+        io = (spec.embed_bytes + spec.head_bytes) * head + spec.norm_bytes
     return _layer_bytes(spec, stage, share, batch=None) + io
 
 
@@ -279,11 +279,14 @@ def predict(
             prefill += n_reduce * link.all_reduce_s(prompt_tokens * hidden * act_bytes, len(ranks))
             n_coll += n_reduce
             if len(stages) == 1:
-                # The split head's logits, gathered once per forward (parallel/vocab.py).
+                # The split vocabulary (parallel/vocab.py): the embedding's all_sum of the
+                # looked-up rows, and the logits gathered once per forward.
+                collective += link.all_reduce_s(batch * hidden * act_bytes, len(ranks))
+                prefill += link.all_reduce_s(prompt_tokens * hidden * act_bytes, len(ranks))
                 logits = spec.vocab * act_bytes
                 collective += link.all_gather_s(batch * logits, len(ranks))
                 prefill += link.all_gather_s(logits, len(ranks))
-                n_coll += 1
+                n_coll += 2
     everyone = tuple(n for s in stages for n in s.nodes)
     if len(everyone) > 1:
         # The leader's per-step command: one small all_sum around the ring of all ranks.
