@@ -56,6 +56,11 @@ class Meta:
             raise ModelError(f"GGUF metadata lacks {self.arch}.{name}; the file is incomplete")
         return value
 
+    def f32(self, name: str, default: float | None = None) -> float:
+        """A float32 field as the decimal it was written from (1e-05, not 9.9999997e-06)."""
+        value = self.req(name) if default is None else self.get(name, default)
+        return float(f"{float(value):.7g}")
+
     def uniform(self, name: str, default: Any = None) -> Any:
         """A value some files store once per layer; only a uniform one maps onto HF configs."""
         value = self.get(name, default)
@@ -152,8 +157,8 @@ def base_config(m: Meta, names: Mapping[str, TensorInfo], dtype: str) -> dict[st
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(m.uniform("attention.head_count_kv", n_heads)),
         "head_dim": int(m.get("attention.key_length", hidden // n_heads)),
-        "rms_norm_eps": float(m.req("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(m.get("rope.freq_base", 10000.0)),
+        "rms_norm_eps": m.f32("attention.layer_norm_rms_epsilon"),
+        "rope_theta": m.f32("rope.freq_base", 10000.0),
         # The embedding's rows, not the token list: llama.cpp trims or pads either.
         "vocab_size": int(names["token_embd.weight"].shape[0]),
         "max_position_embeddings": int(m.req("context_length")),
@@ -166,7 +171,7 @@ def base_config(m: Meta, names: Mapping[str, TensorInfo], dtype: str) -> dict[st
             config["pad_token_id" if key == "padding" else f"{key}_token_id"] = int(idx)
     scaling = m.get("rope.scaling.type")
     if scaling == "linear":
-        config["rope_scaling"] = {"type": "linear", "factor": float(m.req("rope.scaling.factor"))}
+        config["rope_scaling"] = {"type": "linear", "factor": m.f32("rope.scaling.factor")}
     elif scaling not in (None, "none", "yarn"):
         raise ModelError(f"GGUF rope scaling {scaling!r} is not supported (only linear, yarn)")
     return config
@@ -258,13 +263,13 @@ def _config_gemma3(m: Meta, names: Mapping[str, TensorInfo], config: dict) -> No
         "query_pre_attn_scalar": scalar,
         "sliding_window": int(m.req("attention.sliding_window")),
         "sliding_window_pattern": _sliding_pattern(m, n_layers),
-        "rope_local_base_freq": float(m.get("rope.freq_base_swa", 10000.0)),
+        "rope_local_base_freq": m.f32("rope.freq_base_swa", 10000.0),
         "hidden_activation": "gelu_pytorch_tanh",
     }
 
 
 def _config_phi3(m: Meta, names: Mapping[str, TensorInfo], config: dict) -> None:
-    if "rope_factors_long.weight" in names or m.get("rope.scaling.original_context_length"):
+    if "rope_factors_long.weight" in names:
         raise ModelError(
             "Phi-3 long-context (longrope) GGUF files are not supported by import-gguf; "
             f"{OFFLINE_FIX}"
@@ -275,6 +280,8 @@ def _config_phi3(m: Meta, names: Mapping[str, TensorInfo], config: dict) -> None
         "architectures": ["Phi3ForCausalLM"],
         "partial_rotary_factor": rope_dims / config["head_dim"],
     }
+    if original := m.get("rope.scaling.original_context_length"):
+        config["original_max_position_embeddings"] = int(original)
 
 
 def _config_deepseek2(m: Meta, names: Mapping[str, TensorInfo], config: dict) -> None:
@@ -302,7 +309,7 @@ def _config_deepseek2(m: Meta, names: Mapping[str, TensorInfo], config: dict) ->
         "n_shared_experts": int(m.get("expert_shared_count", 0)) or None,
         "num_experts_per_tok": int(m.req("expert_used_count")),
         "moe_intermediate_size": int(m.req("expert_feed_forward_length")),
-        "routed_scaling_factor": float(m.get("expert_weights_scale", 1.0)),
+        "routed_scaling_factor": m.f32("expert_weights_scale", 1.0),
         "first_k_dense_replace": first_dense,
         "moe_layer_freq": 1,
         "norm_topk_prob": bool(m.get("expert_weights_norm", False)),
@@ -329,13 +336,13 @@ def _yarn(m: Meta, config: dict) -> dict[str, Any]:
     if m.get("rope.scaling.type") != "yarn":
         return {"type": "yarn", "factor": 1.0}
     # llama.cpp stores 0.1 * mscale_all_dim; DeepSeek configs set mscale == mscale_all_dim.
-    mscale = float(m.get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+    mscale = float(f"{m.f32('rope.scaling.yarn_log_multiplier', 0.0) / 0.1:.7g}")
     return {
         "type": "yarn",
-        "factor": float(m.req("rope.scaling.factor")),
+        "factor": m.f32("rope.scaling.factor"),
         "original_max_position_embeddings": int(m.req("rope.scaling.original_context_length")),
-        "beta_fast": float(m.get("rope.scaling.yarn_beta_fast", 32.0)),
-        "beta_slow": float(m.get("rope.scaling.yarn_beta_slow", 1.0)),
+        "beta_fast": m.f32("rope.scaling.yarn_beta_fast", 32.0),
+        "beta_slow": m.f32("rope.scaling.yarn_beta_slow", 1.0),
         "mscale": mscale,
         "mscale_all_dim": mscale,
     }
