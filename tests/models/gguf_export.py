@@ -73,6 +73,8 @@ FAMILIES: dict[str, dict] = {
         "tie_word_embeddings": True,  # mlx-lm ties Gemma 3 whenever lm_head is absent
     },
     "phi3": {**BASE, "model_type": "phi3", "partial_rotary_factor": 0.5},
+    # Rows of 256: what K-quant blocks need.
+    "llama-256": {**BASE, "model_type": "llama", "hidden_size": 256, "intermediate_size": 512},
     # V2-Lite shape: no q LoRA, softmax routing, one dense layer first.
     "deepseek_v2": {**DEEPSEEK, "model_type": "deepseek_v2", "q_lora_rank": None},
     # V3 shape: q LoRA, sigmoid routing with a correction bias, grouped experts.
@@ -86,6 +88,7 @@ FAMILIES: dict[str, dict] = {
         "routed_scaling_factor": 2.5,
     },
 }
+# mlx-lm model_type -> llama.cpp architecture name.
 GGUF_ARCH = {
     "llama": "llama",
     "mixtral": "llama",
@@ -113,6 +116,7 @@ VOCAB = len(byte_vocab()[0])
 def make_hf(kind: str, path: Path, seed: int = 0) -> dict[str, np.ndarray]:
     """Write a random checkpoint with Hugging Face tensor names; return its weights."""
     config = {**FAMILIES[kind], "vocab_size": VOCAB}
+    kind = config["model_type"]
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
@@ -186,6 +190,7 @@ def write_gguf(kind: str, weights: dict[str, np.ndarray], path: Path, qtype=None
     import gguf
 
     c = {**FAMILIES[kind], "vocab_size": VOCAB}
+    kind = c["model_type"]
     arch = GGUF_ARCH[kind]
     model_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
     name_map = gguf.get_tensor_name_map(model_arch, c["num_hidden_layers"])
@@ -221,7 +226,7 @@ def _quantize(data: np.ndarray, qtype) -> np.ndarray:
         rng = np.random.default_rng(int(data.size))
         raw = rng.integers(0, 256, (*data.shape[:-1], data.shape[-1] // block, size), np.uint8)
         # Small positive fp16 super-block scales (d, dmin lead every K-quant block but Q6_K).
-        scales = np.full(raw.shape[:-1] + (2,), 0.01, np.float16).view(np.uint8)
+        scales = np.full(raw.shape[:-1] + (2,), 1e-3, np.float16).view(np.uint8)
         at = size - 2 if qtype.name == "Q6_K" else 0
         raw[..., at : at + 2] = scales[..., 0:2]
         if qtype.name != "Q6_K":

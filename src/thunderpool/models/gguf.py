@@ -155,7 +155,7 @@ def _convert(
         src = p.sources[0]
         exact = None
         if len(p.sources) == 1 and not p.combine and not p.shift:
-            exact = gguf_quant.lossless(reader.raw(src), src.qtype, dtype)
+            exact = gguf_quant.lossless(reader.raw(src), src.qtype, dtype, base)
         if exact is not None:
             *arrays, bits = exact
             # Un-permuting rows commutes with row-wise quantization, so it stays exact.

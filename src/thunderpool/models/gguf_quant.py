@@ -90,16 +90,23 @@ def q8_0_to_mlx(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return _pack(q, 8), d, b
 
 
-def lossless(raw: np.ndarray, qtype: int, dtype: str):
+# Under q4 these keep a Q8_0 source at 8 bits, as llama.cpp's own 4-bit recipes do: the
+# vocabulary matrices (a tied one is also the output head) are the most sensitive to 4 bits.
+VOCAB_MATRICES = ("model.embed_tokens", "lm_head")
+
+
+def lossless(raw: np.ndarray, qtype: int, dtype: str, module: str):
     """(w, scales, biases, bits) when the source maps onto MLX affine exactly, else None.
 
-    Q4_0/Q4_1 are 4-bit (8-bit for q8: the values fit); Q8_0 stays 8-bit even for q4, as
-    llama.cpp keeps it for the tensors that need the precision (config.json records it).
+    Q4_0/Q4_1 become 4-bit (8-bit for q8: the values fit); Q8_0 becomes 8-bit for q8, and for
+    q4 only in VOCAB_MATRICES (config.json records the override).
     """
     from gguf import GGMLQuantizationType
 
     name = GGMLQuantizationType(qtype).name
     if dtype not in QUANT_BITS or name not in ("Q4_0", "Q4_1", "Q8_0"):
+        return None
+    if name == "Q8_0" and dtype == "q4" and module not in VOCAB_MATRICES:
         return None
     q, scales, biases, bits = _unpack_blocks(raw, name)
     bits = max(bits, QUANT_BITS[dtype])
