@@ -253,6 +253,10 @@ def _sliding_pattern(m: Meta, n_layers: int) -> int:
 
 
 def _config_gemma3(m: Meta, names: Mapping[str, TensorInfo], config: dict) -> None:
+    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if m.get(cap):
+            # mlx-lm's gemma3_text has no soft-capping: it would run, silently wrong.
+            raise ModelError(f"Gemma 3 GGUF with {cap} is not supported; {OFFLINE_FIX}")
     n_layers, head_dim = config["num_hidden_layers"], config["head_dim"]
     # llama.cpp's gemma3 graph: the 27B (62 layers) scales queries by hidden/heads, others by
     # head_dim (HF's query_pre_attn_scalar, which GGUF does not store).
