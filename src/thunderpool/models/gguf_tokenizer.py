@@ -17,6 +17,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from tokenizers import pre_tokenizers as pre
 
 from thunderpool.errors import ModelError
+from thunderpool.models.gguf_pretok import SPLITS
 
 # llama.cpp token types (llama_token_type); CONTROL tokens are special, USER_DEFINED are added.
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
@@ -32,7 +33,7 @@ _PRE_GPT2 = ("default", "gpt2", "gpt-2")
 _PRE_DIGITS = ("smollm", "starcoder", "refact")
 _PRE_QWEN2 = ("qwen2",)
 _PRE_LLAMA3 = ("llama3", "llama-bpe", "llama-v3")
-SUPPORTED_PRE = _PRE_GPT2 + _PRE_DIGITS + _PRE_QWEN2 + _PRE_LLAMA3
+SUPPORTED_PRE = _PRE_GPT2 + _PRE_DIGITS + _PRE_QWEN2 + _PRE_LLAMA3 + tuple(SPLITS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,9 @@ def _pre_tokenizer(name: str) -> tuple[pre.PreTokenizer, normalizers.Normalizer 
     if name in _PRE_LLAMA3:
         split = pre.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
         return pre.Sequence([split, byte_level]), None, True
+    if name in SPLITS:
+        splits = [pre.Split(Regex(r), behavior="isolated") for r in SPLITS[name]]
+        return pre.Sequence([*splits, byte_level]), None, False
     raise ModelError(
         f"GGUF tokenizer pre-tokenizer {name!r} is not supported; supported: "
         f"{', '.join(SUPPORTED_PRE)}. Use the model's Hugging Face repo instead of the GGUF file"
