@@ -73,6 +73,19 @@ FAMILIES: dict[str, dict] = {
         "tie_word_embeddings": True,  # mlx-lm ties Gemma 3 whenever lm_head is absent
     },
     "phi3": {**BASE, "model_type": "phi3", "partial_rotary_factor": 0.5},
+    # Phi-3.5 / Phi-4-mini style long context: per-frequency factors (rope dims 8 -> 4 each).
+    "phi3-longrope": {
+        **BASE,
+        "model_type": "phi3",
+        "partial_rotary_factor": 0.5,
+        "max_position_embeddings": 256,
+        "original_max_position_embeddings": 64,
+        "rope_scaling": {
+            "type": "longrope",
+            "long_factor": [1.0, 1.5, 3.0, 7.5],
+            "short_factor": [1.0, 1.1, 1.2, 1.3],
+        },
+    },
     # Rows of 256: what K-quant blocks need.
     "llama-256": {**BASE, "model_type": "llama", "hidden_size": 256, "intermediate_size": 512},
     # V2-Lite shape: no q LoRA, softmax routing, one dense layer first.
@@ -197,6 +210,10 @@ def write_gguf(kind: str, weights: dict[str, np.ndarray], path: Path, qtype=None
     w = gguf.GGUFWriter(str(path), arch)
     _write_metadata(w, kind, c, mla)
     tensors = _stack_experts(weights, c)
+    if (scaling := c.get("rope_scaling")) and scaling["type"] == "longrope":
+        # Phi3MiniModel.generate_extra_tensors: the factors become tensors.
+        for k in ("long", "short"):
+            w.add_tensor(f"rope_factors_{k}.weight", np.array(scaling[f"{k}_factor"], np.float32))
     for name, value in tensors.items():
         for gguf_name, data in _transform(kind, name, value, c, mla):
             if gguf_name is None:
@@ -276,7 +293,7 @@ def _write_metadata(w, kind: str, c: dict, mla: bool) -> None:
     if kind == "gemma3_text":
         w.add_sliding_window(c["sliding_window"])
     if kind == "phi3":
-        w.add_rope_scaling_orig_ctx_len(4096)
+        w.add_rope_scaling_orig_ctx_len(c.get("original_max_position_embeddings", 4096))
         rope = int(c["partial_rotary_factor"] * c["hidden_size"]) // c["num_attention_heads"]
         w.add_rope_dimension_count(rope)
         w.add_sliding_window(0)

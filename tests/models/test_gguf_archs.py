@@ -38,14 +38,15 @@ def logits_and_greedy(path: Path) -> tuple[np.ndarray, list[int]]:
 
 # Each family once (variants like llama-256 are for the quantization tests), DeepSeek V2 also in
 # the pre-MLA layout (one attn_kv_b tensor) older llama.cpp versions wrote.
-CASES = [(k, True) for k, c in FAMILIES.items() if c["model_type"] == k] + [("deepseek_v2", False)]
+CASES = [(k, True) for k, c in FAMILIES.items() if c["model_type"] == k]
+CASES += [("deepseek_v2", False), ("phi3-longrope", True)]
 
 
 @pytest.mark.parametrize("kind,mla", CASES, ids=[f"{k}{'' if m else '-kv_b'}" for k, m in CASES])
 def test_family_matches_safetensors(kind, mla, tmp_path):
     out, ref = imported_and_reference(kind, tmp_path, mla=mla)
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == kind
+    assert config["model_type"] == FAMILIES[kind]["model_type"]
     got_logits, got_tokens = logits_and_greedy(out)
     ref_logits, ref_tokens = logits_and_greedy(ref)
     assert np.abs(ref_logits).max() > 1.0  # the comparison is not of near-zero outputs
@@ -55,7 +56,7 @@ def test_family_matches_safetensors(kind, mla, tmp_path):
 
 def test_config_fields_match_reference(tmp_path):
     """Every ModelArgs field the HF config sets comes back from the GGUF metadata."""
-    for kind in ("qwen3_moe", "gemma3_text", "deepseek_v3", "mixtral"):
+    for kind in ("qwen3_moe", "gemma3_text", "deepseek_v3", "mixtral", "phi3-longrope"):
         d = tmp_path / kind
         out, ref = imported_and_reference(kind, d)
         got = json.loads((out / "config.json").read_text())

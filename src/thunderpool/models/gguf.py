@@ -21,7 +21,7 @@ import numpy as np
 from thunderpool.errors import ModelError
 from thunderpool.models import gguf_arch, gguf_quant
 from thunderpool.models.gguf_arch import SUPPORTED_ARCHS, OutTensor
-from thunderpool.models.gguf_file import GGUFFile
+from thunderpool.models.gguf_file import GGUFFile, TensorInfo
 from thunderpool.models.gguf_quant import GROUP_SIZE, QUANT_BITS, q4_1_to_mlx, q8_0_to_mlx
 from thunderpool.models.gguf_tokenizer import GGUFVocab, write_tokenizer
 
@@ -56,7 +56,7 @@ def import_gguf(
     meta = reader.read_metadata()
     vocab = GGUFVocab.from_metadata(meta)
     names = {t.name: t for t in reader.tensors}
-    config = gguf_arch.hf_config(meta, arch, names, dtype)
+    config = gguf_arch.hf_config(meta, arch, names, dtype, read=lambda t: _values(reader, t))
     plan = gguf_arch.plan(arch, config, reader.tensors, gguf_path)
     first_of_type: dict[int, str] = {}
     for t in (t for p in plan for t in p.sources):
@@ -133,8 +133,10 @@ def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _values(reader: GGUFFile, p: OutTensor) -> np.ndarray:
+def _values(reader: GGUFFile, p: OutTensor | TensorInfo) -> np.ndarray:
     """The tensor as float32, with llama.cpp's transforms undone."""
+    if isinstance(p, TensorInfo):
+        p = OutTensor(p.name, (p,))
     arrays = [
         gguf_quant.dequantize(reader.raw(t), t.qtype, t.name).reshape(t.shape) for t in p.sources
     ]

@@ -25,6 +25,9 @@ OFFLINE_FIX = (
 )
 
 
+Reader = Callable[[TensorInfo], np.ndarray]
+
+
 @dataclass(frozen=True, slots=True)
 class OutTensor:
     """One tensor of the output checkpoint and how to make it from GGUF tensors."""
@@ -272,12 +275,7 @@ def _config_gemma3(m: Meta, names: Mapping[str, TensorInfo], config: dict) -> No
     }
 
 
-def _config_phi3(m: Meta, names: Mapping[str, TensorInfo], config: dict) -> None:
-    if "rope_factors_long.weight" in names:
-        raise ModelError(
-            "Phi-3 long-context (longrope) GGUF files are not supported by import-gguf; "
-            f"{OFFLINE_FIX}"
-        )
+def _config_phi3(m: Meta, names: Mapping[str, TensorInfo], config: dict, read: Reader) -> None:
     rope_dims = int(m.get("rope.dimension_count", config["head_dim"]))
     config |= {
         "model_type": "phi3",
@@ -286,6 +284,13 @@ def _config_phi3(m: Meta, names: Mapping[str, TensorInfo], config: dict) -> None
     }
     if original := m.get("rope.scaling.original_context_length"):
         config["original_max_position_embeddings"] = int(original)
+    if "rope_factors_long.weight" in names:
+        # Long-context Phi-3 (longrope): llama.cpp stores the per-frequency factors as tensors.
+        factors = {
+            f"{k}_factor": [float(x) for x in read(names[f"rope_factors_{k}.weight"])]
+            for k in ("long", "short")
+        }
+        config["rope_scaling"] = {"type": "longrope", **factors}
 
 
 def _config_deepseek2(m: Meta, names: Mapping[str, TensorInfo], config: dict) -> None:
@@ -352,22 +357,27 @@ def _yarn(m: Meta, config: dict) -> dict[str, Any]:
     }
 
 
-_CONFIGS = {
+_CONFIGS: dict[str, Callable[..., None]] = {
     "llama": _config_llama,
     "qwen2": _config_qwen2,
     "qwen3": _config_qwen3,
     "qwen3moe": _config_qwen3moe,
     "gemma3": _config_gemma3,
-    "phi3": _config_phi3,
     "deepseek2": _config_deepseek2,
 }
 
 
-def hf_config(meta: Mapping[str, Any], arch: str, names: Mapping[str, TensorInfo], dtype: str):
-    """An HF-style config.json that mlx-lm's model for `arch` accepts."""
+def hf_config(
+    meta: Mapping[str, Any], arch: str, names: Mapping[str, TensorInfo], dtype: str, read: Reader
+) -> dict[str, Any]:
+    """An HF-style config.json that mlx-lm's model for `arch` accepts; `read` loads the few
+    small tensors that hold config values (Phi-3's longrope factors)."""
     m = Meta(meta, arch)
     config = base_config(m, names, dtype)
-    _CONFIGS[arch](m, names, config)
+    if arch == "phi3":
+        _config_phi3(m, names, config, read)
+    else:
+        _CONFIGS[arch](m, names, config)
     if config.get("intermediate_size") == 0 and "blk.0.ffn_up.weight" in names:
         config["intermediate_size"] = int(names["blk.0.ffn_up.weight"].shape[0])
     return config
@@ -398,6 +408,8 @@ def plan(arch: str, config: dict, tensors: list[TensorInfo], path: Any) -> list[
                 f"{path} uses llama3-style rope frequency scaling (rope_freqs.weight), which "
                 f"import-gguf does not support; {OFFLINE_FIX}"
             )
+        if t.name in ("rope_factors_long.weight", "rope_factors_short.weight") and arch == "phi3":
+            continue  # in config.json's rope_scaling
         layer, stem, suffix = _stem(t.name)
         if arch == "deepseek2" and stem in ("attn_k_b", "attn_v_b"):
             if stem == "attn_k_b":
