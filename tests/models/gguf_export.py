@@ -198,8 +198,11 @@ def _stack_experts(weights: dict[str, np.ndarray], c: dict) -> dict[str, np.ndar
     return out
 
 
-def write_gguf(kind: str, weights: dict[str, np.ndarray], path: Path, qtype=None, mla=True):
-    """The GGUF llama.cpp would make of this checkpoint (F32 tensors, or `qtype` for 2D+ ones)."""
+def write_gguf(
+    kind: str, weights: dict[str, np.ndarray], path: Path, qtype=None, mla=True, mtp=False
+):
+    """The GGUF llama.cpp would make of this checkpoint (F32 tensors, or `qtype` for 2D+ ones);
+    `mtp` appends a multi-token-prediction block as llama.cpp does for DeepSeek V3.2."""
     import gguf
 
     c = {**FAMILIES[kind], "vocab_size": VOCAB}
@@ -208,7 +211,7 @@ def write_gguf(kind: str, weights: dict[str, np.ndarray], path: Path, qtype=None
     model_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
     name_map = gguf.get_tensor_name_map(model_arch, c["num_hidden_layers"])
     w = gguf.GGUFWriter(str(path), arch)
-    _write_metadata(w, kind, c, mla)
+    _write_metadata(w, kind, c, mla, mtp)
     tensors = _stack_experts(weights, c)
     if (scaling := c.get("rope_scaling")) and scaling["type"] == "longrope":
         # Phi3MiniModel.generate_extra_tensors: the factors become tensors.
@@ -225,6 +228,14 @@ def write_gguf(kind: str, weights: dict[str, np.ndarray], path: Path, qtype=None
                 w.add_tensor(gguf_name, data, raw_dtype=qtype)
             else:
                 w.add_tensor(gguf_name, data)
+    if mtp:
+        n, d = c["num_hidden_layers"], c["hidden_size"]
+        for name, shape in (
+            ("nextn.eh_proj", (d, 2 * d)),
+            ("nextn.enorm", (d,)),
+            ("attn_norm", (d,)),
+        ):
+            w.add_tensor(f"blk.{n}.{name}.weight", np.ones(shape, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -270,9 +281,11 @@ def _transform(kind: str, name: str, w: np.ndarray, c: dict, mla: bool):
     return [(None, w)]
 
 
-def _write_metadata(w, kind: str, c: dict, mla: bool) -> None:
+def _write_metadata(w, kind: str, c: dict, mla: bool, mtp: bool) -> None:
     tokens, types, merges = byte_vocab()
-    w.add_block_count(c["num_hidden_layers"])
+    w.add_block_count(c["num_hidden_layers"] + mtp)
+    if mtp:
+        w.add_nextn_predict_layers(1)
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
     w.add_feed_forward_length(c["intermediate_size"])

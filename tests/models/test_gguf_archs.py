@@ -22,9 +22,11 @@ STEPS = 16
 ATOL = 1e-4
 
 
-def imported_and_reference(kind: str, tmp_path: Path, mla: bool = True, **import_kwargs):
+def imported_and_reference(
+    kind: str, tmp_path: Path, mla: bool = True, mtp: bool = False, **import_kwargs
+):
     weights = make_hf(kind, tmp_path / "hf")
-    write_gguf(kind, weights, tmp_path / f"{kind}.gguf", mla=mla)
+    write_gguf(kind, weights, tmp_path / f"{kind}.gguf", mla=mla, mtp=mtp)
     out = import_gguf(tmp_path / f"{kind}.gguf", tmp_path / "out", progress=False, **import_kwargs)
     return out, tmp_path / "hf"
 
@@ -52,6 +54,15 @@ def test_family_matches_safetensors(kind, mla, tmp_path):
     assert np.abs(ref_logits).max() > 1.0  # the comparison is not of near-zero outputs
     np.testing.assert_allclose(got_logits, ref_logits, atol=ATOL, rtol=0)
     assert got_tokens == ref_tokens
+
+
+def test_multi_token_prediction_block_is_skipped(tmp_path):
+    """DeepSeek V3.2-style files append an MTP block (nextn_predict_layers); mlx-lm runs none."""
+    out, ref = imported_and_reference("deepseek_v3", tmp_path, mtp=True)
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 4
+    got, ref_ = logits_and_greedy(out), logits_and_greedy(ref)
+    np.testing.assert_allclose(got[0], ref_[0], atol=ATOL, rtol=0)
+    assert got[1] == ref_[1]
 
 
 def test_config_fields_match_reference(tmp_path):

@@ -57,7 +57,8 @@ def import_gguf(
     vocab = GGUFVocab.from_metadata(meta)
     names = {t.name: t for t in reader.tensors}
     config = gguf_arch.hf_config(meta, arch, names, dtype, read=lambda t: _values(reader, t))
-    plan = gguf_arch.plan(arch, config, reader.tensors, gguf_path)
+    n_blocks = int(meta.get(f"{arch}.block_count", 0))
+    plan = gguf_arch.plan(arch, config, reader.tensors, gguf_path, n_blocks)
     first_of_type: dict[int, str] = {}
     for t in (t for p in plan for t in p.sources):
         first_of_type.setdefault(t.qtype, t.name)

@@ -155,7 +155,8 @@ def base_config(m: Meta, names: Mapping[str, TensorInfo], dtype: str) -> dict[st
         raise ModelError("GGUF file has no token_embd.weight tensor; it is not a complete model")
     config: dict[str, Any] = {
         "hidden_size": hidden,
-        "num_hidden_layers": int(m.req("block_count")),
+        # llama.cpp appends multi-token-prediction blocks after the model's own (DeepSeek V3.2).
+        "num_hidden_layers": int(m.req("block_count")) - int(m.get("nextn_predict_layers", 0)),
         "intermediate_size": int(m.uniform("feed_forward_length", 0)),
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(m.uniform("attention.head_count_kv", n_heads)),
@@ -397,8 +398,12 @@ def _layer_names(arch: str, config: dict) -> dict[str, str]:
     return _LAYER
 
 
-def plan(arch: str, config: dict, tensors: list[TensorInfo], path: Any) -> list[OutTensor]:
-    """Every output tensor, with its GGUF sources and transforms; unknown tensors are refused."""
+def plan(
+    arch: str, config: dict, tensors: list[TensorInfo], path: Any, n_blocks: int
+) -> list[OutTensor]:
+    """Every output tensor, with its GGUF sources and transforms; unknown tensors are refused.
+
+    `n_blocks` is the file's block_count: blocks past the config's layers are MTP blocks."""
     layer_names = _layer_names(arch, config)
     by_name = {t.name: t for t in tensors}
     out: list[OutTensor] = []
@@ -411,6 +416,8 @@ def plan(arch: str, config: dict, tensors: list[TensorInfo], path: Any) -> list[
         if t.name in ("rope_factors_long.weight", "rope_factors_short.weight") and arch == "phi3":
             continue  # in config.json's rope_scaling
         layer, stem, suffix = _stem(t.name)
+        if layer is not None and config["num_hidden_layers"] <= layer < n_blocks:
+            continue  # a multi-token-prediction block: mlx-lm's models do not run it
         if arch == "deepseek2" and stem in ("attn_k_b", "attn_v_b"):
             if stem == "attn_k_b":
                 out.append(_kv_b(by_name, layer, config))
