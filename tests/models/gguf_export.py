@@ -10,6 +10,7 @@ v_b, Phi-3's rope dimension count).
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -86,6 +87,18 @@ FAMILIES: dict[str, dict] = {
             "short_factor": [1.0, 1.1, 1.2, 1.3],
         },
     },
+    # Long-context Qwen3 (YaRN past the trained 128 positions, here).
+    "qwen3-yarn": {
+        **BASE,
+        "model_type": "qwen3",
+        "head_dim": 16,
+        "tie_word_embeddings": True,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+    },
     # Rows of 256: what K-quant blocks need.
     "llama-256": {**BASE, "model_type": "llama", "hidden_size": 256, "intermediate_size": 512},
     # V2-Lite shape: no q LoRA, softmax routing, one dense layer first.
@@ -99,6 +112,15 @@ FAMILIES: dict[str, dict] = {
         "topk_group": 1,
         "norm_topk_prob": True,
         "routed_scaling_factor": 2.5,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
     },
 }
 # mlx-lm model_type -> llama.cpp architecture name.
@@ -128,7 +150,8 @@ VOCAB = len(byte_vocab()[0])
 
 def make_hf(kind: str, path: Path, seed: int = 0) -> dict[str, np.ndarray]:
     """Write a random checkpoint with Hugging Face tensor names; return its weights."""
-    config = {**FAMILIES[kind], "vocab_size": VOCAB}
+    # A deep copy: mlx-lm's ModelArgs rewrite rope_scaling in place.
+    config = copy.deepcopy({**FAMILIES[kind], "vocab_size": VOCAB})
     kind = config["model_type"]
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
@@ -205,7 +228,7 @@ def write_gguf(
     `mtp` appends a multi-token-prediction block as llama.cpp does for DeepSeek V3.2."""
     import gguf
 
-    c = {**FAMILIES[kind], "vocab_size": VOCAB}
+    c = copy.deepcopy({**FAMILIES[kind], "vocab_size": VOCAB})
     kind = c["model_type"]
     arch = GGUF_ARCH[kind]
     model_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
@@ -310,6 +333,10 @@ def _write_metadata(w, kind: str, c: dict, mla: bool, mtp: bool) -> None:
         rope = int(c["partial_rotary_factor"] * c["hidden_size"]) // c["num_attention_heads"]
         w.add_rope_dimension_count(rope)
         w.add_sliding_window(0)
+    if (scaling := c.get("rope_scaling")) and scaling.get(
+        "type", scaling.get("rope_type")
+    ) == "yarn":
+        _yarn_metadata(w, kind, scaling)
     if kind.startswith("deepseek"):
         _deepseek_metadata(w, c, mla)
     w.add_tokenizer_model("gpt2")
@@ -319,6 +346,22 @@ def _write_metadata(w, kind: str, c: dict, mla: bool, mtp: bool) -> None:
     w.add_token_merges(merges)
     w.add_bos_token_id(len(tokens) - 2)
     w.add_eos_token_id(len(tokens) - 1)
+
+
+def _yarn_metadata(w, kind: str, scaling: dict) -> None:
+    """TextModel.set_gguf_parameters for YaRN; DeepSeek adds 0.1 * mscale_all_dim."""
+    from gguf import RopeScalingType
+
+    if scaling["factor"] == 1.0:
+        return
+    w.add_rope_scaling_type(RopeScalingType.YARN)
+    w.add_rope_scaling_factor(scaling["factor"])
+    w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+    if "beta_fast" in scaling:
+        w.add_rope_scaling_yarn_beta_fast(scaling["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(scaling["beta_slow"])
+    if kind.startswith("deepseek") and "mscale_all_dim" in scaling:
+        w.add_rope_scaling_yarn_log_mul(0.1 * scaling["mscale_all_dim"])
 
 
 def _deepseek_metadata(w, c: dict, mla: bool) -> None:

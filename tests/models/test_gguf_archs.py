@@ -15,7 +15,8 @@ from mlx_lm.utils import load_model
 
 from thunderpool.models.gguf import import_gguf
 
-PROMPT = [int(x) for x in np.random.default_rng(7).integers(0, VOCAB, 24)]  # > gemma's window
+# Longer than Gemma's window (8); YaRN's factors apply at every position.
+PROMPT = [int(x) for x in np.random.default_rng(7).integers(0, VOCAB, 24)]
 STEPS = 16
 # Same fp32 weights, same mlx-lm code: measured 0 on this CPU except Gemma, whose norms
 # round-trip through 1 + w (measured ~1e-6).
@@ -41,7 +42,7 @@ def logits_and_greedy(path: Path) -> tuple[np.ndarray, list[int]]:
 # Each family once (variants like llama-256 are for the quantization tests), DeepSeek V2 also in
 # the pre-MLA layout (one attn_kv_b tensor) older llama.cpp versions wrote.
 CASES = [(k, True) for k, c in FAMILIES.items() if c["model_type"] == k]
-CASES += [("deepseek_v2", False), ("phi3-longrope", True)]
+CASES += [("deepseek_v2", False), ("phi3-longrope", True), ("qwen3-yarn", True)]
 
 
 @pytest.mark.parametrize("kind,mla", CASES, ids=[f"{k}{'' if m else '-kv_b'}" for k, m in CASES])

@@ -176,7 +176,9 @@ def base_config(m: Meta, names: Mapping[str, TensorInfo], dtype: str) -> dict[st
     scaling = m.get("rope.scaling.type")
     if scaling == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": m.f32("rope.scaling.factor")}
-    elif scaling not in (None, "none", "yarn"):
+    elif scaling == "yarn":
+        config["rope_scaling"] = _yarn(m)
+    elif scaling not in (None, "none"):
         raise ModelError(f"GGUF rope scaling {scaling!r} is not supported (only linear, yarn)")
     return config
 
@@ -323,7 +325,7 @@ def _config_deepseek2(m: Meta, names: Mapping[str, TensorInfo], config: dict) ->
         "first_k_dense_replace": first_dense,
         "moe_layer_freq": 1,
         "norm_topk_prob": bool(m.get("expert_weights_norm", False)),
-        "rope_scaling": _yarn(m, config),
+        "rope_scaling": _yarn(m, mla_mscale=True),
     }
     groups = (int(m.get("expert_group_count", 1)), int(m.get("expert_group_used_count", 1)))
     if gating == 2:
@@ -341,21 +343,24 @@ def _config_deepseek2(m: Meta, names: Mapping[str, TensorInfo], config: dict) ->
         config["topk_method"] = "greedy"
 
 
-def _yarn(m: Meta, config: dict) -> dict[str, Any]:
-    """mlx-lm's DeepSeek attention always reads rope_scaling; factor 1 is plain RoPE."""
+def _yarn(m: Meta, mla_mscale: bool = False) -> dict[str, Any]:
+    """YaRN as mlx-lm's rope_scaling. DeepSeek's attention always reads one (factor 1 is plain
+    RoPE) and scales by mscale: llama.cpp stores 0.1 * mscale_all_dim, and DeepSeek configs
+    set mscale == mscale_all_dim."""
     if m.get("rope.scaling.type") != "yarn":
         return {"type": "yarn", "factor": 1.0}
-    # llama.cpp stores 0.1 * mscale_all_dim; DeepSeek configs set mscale == mscale_all_dim.
-    mscale = float(f"{m.f32('rope.scaling.yarn_log_multiplier', 0.0) / 0.1:.7g}")
-    return {
+    config = {
         "type": "yarn",
         "factor": m.f32("rope.scaling.factor"),
         "original_max_position_embeddings": int(m.req("rope.scaling.original_context_length")),
-        "beta_fast": m.f32("rope.scaling.yarn_beta_fast", 32.0),
-        "beta_slow": m.f32("rope.scaling.yarn_beta_slow", 1.0),
-        "mscale": mscale,
-        "mscale_all_dim": mscale,
     }
+    for key in ("beta_fast", "beta_slow"):
+        if m.get(f"rope.scaling.yarn_{key}") is not None:
+            config[key] = m.f32(f"rope.scaling.yarn_{key}")
+    if mla_mscale and m.get("rope.scaling.yarn_log_multiplier") is not None:
+        mscale = float(f"{m.f32('rope.scaling.yarn_log_multiplier') / 0.1:.7g}")
+        config |= {"mscale": mscale, "mscale_all_dim": mscale}
+    return config
 
 
 _CONFIGS: dict[str, Callable[..., None]] = {
