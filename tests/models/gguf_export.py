@@ -99,6 +99,23 @@ FAMILIES: dict[str, dict] = {
             "original_max_position_embeddings": 128,
         },
     },
+    # Llama 3.1-style rope scaling (llama.cpp stores it as rope_freqs.weight); head_dim 64 so
+    # that several frequencies fall in the smooth band.
+    "llama3-rope": {
+        **BASE,
+        "model_type": "llama",
+        "hidden_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        },
+    },
     # Rows of 256: what K-quant blocks need.
     "llama-256": {**BASE, "model_type": "llama", "hidden_size": 256, "intermediate_size": 512},
     # V2-Lite shape: no q LoRA, softmax routing, one dense layer first.
@@ -236,7 +253,9 @@ def write_gguf(
     w = gguf.GGUFWriter(str(path), arch)
     _write_metadata(w, kind, c, mla, mtp)
     tensors = _stack_experts(weights, c)
-    if (scaling := c.get("rope_scaling")) and scaling["type"] == "longrope":
+    if (scaling := c.get("rope_scaling")) and scaling.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(c))
+    if (scaling := c.get("rope_scaling")) and scaling.get("type") == "longrope":
         # Phi3MiniModel.generate_extra_tensors: the factors become tensors.
         for k in ("long", "short"):
             w.add_tensor(f"rope_factors_{k}.weight", np.array(scaling[f"{k}_factor"], np.float32))
@@ -263,6 +282,27 @@ def write_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _llama3_rope_freqs(c: dict) -> np.ndarray:
+    """LlamaModel.generate_extra_tensors: one divisor per rotary frequency."""
+    s, dim = c["rope_scaling"], c["hidden_size"] // c["num_attention_heads"]
+    freqs = 1.0 / (c["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    low_wl = s["original_max_position_embeddings"] / s["low_freq_factor"]
+    high_wl = s["original_max_position_embeddings"] / s["high_freq_factor"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < high_wl:
+            out.append(1.0)
+        elif wavelen > low_wl:
+            out.append(s["factor"])
+        else:
+            smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (
+                s["high_freq_factor"] - s["low_freq_factor"]
+            )
+            out.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.array(out, np.float32)
 
 
 def _quantize(data: np.ndarray, qtype) -> np.ndarray:

@@ -42,7 +42,8 @@ def logits_and_greedy(path: Path) -> tuple[np.ndarray, list[int]]:
 # Each family once (variants like llama-256 are for the quantization tests), DeepSeek V2 also in
 # the pre-MLA layout (one attn_kv_b tensor) older llama.cpp versions wrote.
 CASES = [(k, True) for k, c in FAMILIES.items() if c["model_type"] == k]
-CASES += [("deepseek_v2", False), ("phi3-longrope", True), ("qwen3-yarn", True)]
+CASES += [(k, True) for k in ("phi3-longrope", "qwen3-yarn", "llama3-rope")]
+CASES += [("deepseek_v2", False)]
 
 
 @pytest.mark.parametrize("kind,mla", CASES, ids=[f"{k}{'' if m else '-kv_b'}" for k, m in CASES])
@@ -68,7 +69,8 @@ def test_multi_token_prediction_block_is_skipped(tmp_path):
 
 def test_config_fields_match_reference(tmp_path):
     """Every ModelArgs field the HF config sets comes back from the GGUF metadata."""
-    for kind in ("qwen3_moe", "gemma3_text", "deepseek_v3", "mixtral", "phi3-longrope"):
+    kinds = ("qwen3_moe", "gemma3_text", "deepseek_v3", "mixtral", "phi3-longrope", "llama3-rope")
+    for kind in kinds:
         d = tmp_path / kind
         out, ref = imported_and_reference(kind, d)
         got = json.loads((out / "config.json").read_text())
@@ -76,3 +78,31 @@ def test_config_fields_match_reference(tmp_path):
         skip = {"torch_dtype", "rope_scaling"}
         diff = {k: (got.get(k), v) for k, v in want.items() if k not in skip and got.get(k) != v}
         assert not diff, f"{kind}: {diff}"
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        # Llama 3.1 / 3.2 as published, and the test family's own (fitted, not the default).
+        {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "old": 8192, "dims": 128},
+        {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "old": 8192, "dims": 64},
+        {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "old": 1024, "dims": 64},
+        {"factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 2.5, "old": 4000, "dims": 128},
+    ],
+)
+def test_llama3_rope_scaling_is_recovered(scaling):
+    from thunderpool.models.gguf_rope import llama3_divisors, llama3_scaling
+
+    params = {k: v for k, v in scaling.items() if k not in ("old", "dims")}
+    params["original_max_position_embeddings"] = scaling["old"]
+    divisors = llama3_divisors(params, 500000.0, scaling["dims"])
+    got = llama3_scaling(divisors.astype(np.float32), 500000.0, scaling["dims"])
+    assert got == {"rope_type": "llama3", **params}
+
+
+def test_rope_freqs_that_are_not_llama3_are_refused():
+    from thunderpool.errors import ModelError
+    from thunderpool.models.gguf_rope import llama3_scaling
+
+    with pytest.raises(ModelError, match="does not follow Llama 3's rope scaling"):
+        llama3_scaling(np.linspace(1.0, 8.0, 64), 500000.0, 128)

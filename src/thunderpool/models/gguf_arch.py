@@ -16,6 +16,7 @@ import numpy as np
 
 from thunderpool.errors import ModelError
 from thunderpool.models.gguf_file import TensorInfo
+from thunderpool.models.gguf_rope import llama3_scaling
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "deepseek2")
 OFFLINE_FIX = (
@@ -384,6 +385,14 @@ def hf_config(
         _config_phi3(m, names, config, read)
     else:
         _CONFIGS[arch](m, names, config)
+    if "rope_freqs.weight" in names:
+        if config["model_type"] != "llama":
+            kind = config["model_type"]
+            raise ModelError(f"{kind} GGUF with rope_freqs.weight is not supported; {OFFLINE_FIX}")
+        dims = int(m.get("rope.dimension_count", config["head_dim"]))
+        divisors = read(names["rope_freqs.weight"])
+        if scaling := llama3_scaling(divisors, config["rope_theta"], dims):
+            config["rope_scaling"] = scaling
     if config.get("intermediate_size") == 0 and "blk.0.ffn_up.weight" in names:
         config["intermediate_size"] = int(names["blk.0.ffn_up.weight"].shape[0])
     return config
@@ -414,10 +423,7 @@ def plan(
     out: list[OutTensor] = []
     for t in tensors:
         if t.name == "rope_freqs.weight":
-            raise ModelError(
-                f"{path} uses llama3-style rope frequency scaling (rope_freqs.weight), which "
-                f"import-gguf does not support; {OFFLINE_FIX}"
-            )
+            continue  # Llama 3 rope scaling: in config.json (hf_config checked it)
         if t.name in ("rope_factors_long.weight", "rope_factors_short.weight") and arch == "phi3":
             continue  # in config.json's rope_scaling
         layer, stem, suffix = _stem(t.name)
