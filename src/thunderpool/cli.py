@@ -182,14 +182,19 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         pass
 
-    imp = sub.add_parser("import-gguf", help="turn a llama/qwen2 GGUF file into an MLX model dir")
+    imp = sub.add_parser(
+        "import-gguf",
+        help="turn a GGUF file (llama, mistral/mixtral, qwen2, qwen3, qwen3moe, gemma3, phi3, "
+        "deepseek2) into an MLX model dir",
+    )
     imp.add_argument("file", type=Path)
     imp.add_argument("--out", type=Path, help="output dir (default: next to the file)")
     imp.add_argument(
         "--dtype",
-        choices=("float32", "float16", "bfloat16", "q4"),
+        choices=("float32", "float16", "bfloat16", "q4", "q8"),
         default="float32",
-        help="weight dtype (float32 is fastest on Linux CPUs)",
+        help="weight dtype (float32 is fastest on Linux CPUs); q4/q8 store MLX affine 4/8-bit "
+        "whatever the file's quantization (Q4_0/Q4_1/Q8_0 repacked exactly)",
     )
 
     bench = sub.add_parser(

@@ -168,9 +168,11 @@ def test_q4_is_lossless(smol_dir, smol_gguf, tmp_path):
     np.testing.assert_array_equal(np.array(got), dequantize(np.asarray(t.data), t.tensor_type))
 
     q4_dir = import_gguf(smol_gguf, tmp_path / "q4", dtype="q4", progress=False)
+    # The file's one Q8_0 tensor (the tied embedding) stays 8-bit, exactly, and says so.
     assert json.loads((q4_dir / "config.json").read_text())["quantization"] == {
         "group_size": 32,
         "bits": 4,
+        "model.embed_tokens": {"group_size": 32, "bits": 8},
     }
     q4, tok = load(str(q4_dir))
     f32, _ = load(str(smol_dir))
@@ -343,7 +345,7 @@ def test_unsupported_architecture(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelError, match=r"'falcon'.*supported: llama, qwen2"):
+    with pytest.raises(ModelError, match=r"'falcon'.*supported: llama, qwen2, qwen3"):
         import_gguf(path, tmp_path / "out", progress=False)
 
 

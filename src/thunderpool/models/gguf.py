@@ -1,7 +1,8 @@
-"""Import a llama.cpp GGUF file (llama / qwen2 families) as an MLX / Hugging Face model directory.
+"""Import a llama.cpp GGUF file as an MLX / Hugging Face model directory.
 
 The output (`config.json`, `model*.safetensors`, tokenizer files) loads with `mlx_lm.load`.
-Tensor names and the RoPE row permutation follow llama.cpp's `convert_hf_to_gguf.py`, inverted.
+The header is read and the architecture checked before any tensor data is touched; the
+per-family maps live in `gguf_arch`, the data conversions in `gguf_quant`.
 """
 
 from __future__ import annotations
@@ -12,51 +13,24 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from thunderpool.errors import ModelError
+from thunderpool.models import gguf_arch, gguf_quant
+from thunderpool.models.gguf_arch import SUPPORTED_ARCHS, OutTensor
+from thunderpool.models.gguf_file import GGUFFile, TensorInfo
+from thunderpool.models.gguf_quant import GROUP_SIZE, QUANT_BITS, q4_1_to_mlx, q8_0_to_mlx
 from thunderpool.models.gguf_tokenizer import GGUFVocab, write_tokenizer
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
-DTYPES = ("float32", "float16", "bfloat16", "q4")
+__all__ = ["IMPORT_MARKER", "SUPPORTED_ARCHS", "import_gguf", "q4_1_to_mlx", "q8_0_to_mlx"]
+
+DTYPES = ("float32", "float16", "bfloat16", "q4", "q8")
 # Written last inside the temp dir, so a directory holding it is a complete import.
 IMPORT_MARKER = "thunderpool-import.json"
-# Q4_1 block: fp16 scale d, fp16 min m, 16 bytes holding 32 4-bit values (w = d*q + m).
-_Q4_1_GROUP, _Q4_1_BYTES = 32, 20
 _SHARD_BYTES = 4 << 30
-
-# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class _Planned:
-    """One GGUF tensor and where it goes in the HF checkpoint."""
-
-    gguf_name: str
-    hf_name: str
-    tensor: Any  # gguf.ReaderTensor
-    n_rope_heads: int | None  # heads to un-permute rows for (llama q/k), else None
 
 
 def import_gguf(
@@ -64,8 +38,9 @@ def import_gguf(
 ) -> Path:
     """Convert `gguf_path` into an MLX model directory at `out_dir` and return `out_dir`.
 
-    `dtype` is float32, float16 or bfloat16 (everything dequantized), or q4 (Q4_1 matrices
-    kept losslessly as MLX affine 4-bit, group size 32; other tensors dequantized to float32).
+    `dtype` is float32, float16 or bfloat16 (everything dequantized), or q4 / q8: every weight
+    mlx-lm can quantize is stored MLX affine (group 32) - Q4_1 / Q8_0 sources repacked
+    losslessly, any other type dequantized and re-quantized - and the rest as float32.
     """
     gguf_path, out_dir = Path(gguf_path).expanduser(), Path(out_dir).expanduser()
     if dtype not in DTYPES:
@@ -75,18 +50,32 @@ def import_gguf(
             f"output directory {out_dir} already exists and is not empty; remove it or choose "
             "another directory"
         )
-    reader = open_gguf(gguf_path)
-    meta = read_metadata(reader)
-    arch = architecture(meta, gguf_path)
-    config = hf_config(meta, arch, {t.name for t in reader.tensors}, dtype)
+    reader = GGUFFile(gguf_path)
+    # The architecture is (in every llama.cpp file) the first key: refuse before reading more.
+    arch = gguf_arch.architecture(reader.get("general.architecture"), gguf_path)
+    meta = reader.read_metadata()
     vocab = GGUFVocab.from_metadata(meta)
-    plan = _plan(reader, arch, config, gguf_path)
-    _check_types(plan, gguf_path)
+    names = {t.name: t for t in reader.tensors}
+    config = gguf_arch.hf_config(meta, arch, names, dtype, read=lambda t: _values(reader, t))
+    n_blocks = int(meta.get(f"{arch}.block_count", 0))
+    plan = gguf_arch.plan(arch, config, reader.tensors, gguf_path, n_blocks)
+    first_of_type: dict[int, str] = {}
+    for t in (t for p in plan for t in p.sources):
+        first_of_type.setdefault(t.qtype, t.name)
+    for qtype, name in first_of_type.items():
+        gguf_quant.check_dequantizable(qtype, name)
+    quantized = _quantized_names(config, plan, dtype)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _staging_dir(out_dir) as tmp:
         write_tokenizer(vocab, tmp, config.get("max_position_embeddings"))
-        _write_weights(plan, tmp, dtype, progress, gguf_path.name)
+        other_bits = _write_weights(reader, plan, tmp, dtype, quantized, progress)
+        if dtype in QUANT_BITS:
+            # mlx-lm reads per-module entries as overrides of the default bits.
+            q: dict = {"group_size": GROUP_SIZE, "bits": QUANT_BITS[dtype]}
+            q |= {m: {"group_size": GROUP_SIZE, "bits": b} for m, b in other_bits.items()}
+            config["quantization"] = q
+            config["quantization_config"] = dict(q)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         stat = gguf_path.stat()
         marker = {"source": str(gguf_path), "size": stat.st_size, "mtime": stat.st_mtime}
@@ -95,104 +84,42 @@ def import_gguf(
     return out_dir
 
 
-def open_gguf(path: Path):
-    """A `gguf.GGUFReader` for `path`, or a ModelError saying why the file cannot be read."""
-    import gguf
+def _quantized_names(config: dict, plan: list[OutTensor], dtype: str) -> set[str]:
+    """Check every tensor against mlx-lm's model for `config`; return the weights to quantize.
 
-    if not path.is_file():
-        raise ModelError(f"GGUF file {path} does not exist; pass the path of a .gguf file")
-    with path.open("rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelError(
-            f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
-            "pass a llama.cpp .gguf model file"
-        )
+    The model is built lazily (no memory): its parameter shapes catch a wrong map before any
+    byte is written, and its quantizable modules (Linear, Embedding, SwitchLinear) are exactly
+    the ones mlx-lm quantizes when it loads the checkpoint.
+    """
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
     try:
-        return gguf.GGUFReader(path)
-    except (ValueError, OSError, KeyError) as e:
-        raise ModelError(f"cannot read GGUF file {path}: {e}; the file may be truncated") from e
-
-
-def read_metadata(reader) -> dict[str, Any]:
-    """All key/value fields as plain Python values (strings, numbers, lists)."""
-    return {name: field.contents() for name, field in reader.fields.items()}
-
-
-def architecture(meta: dict[str, Any], path: Path) -> str:
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
+        model_cls, args_cls = _get_classes(config)
+        model = model_cls(args_cls.from_dict(config))
+    except Exception as e:  # mlx-lm raises ValueError/KeyError/AssertionError for bad configs
         raise ModelError(
-            f"GGUF architecture {arch!r} in {path} is not supported; supported: "
-            f"{', '.join(SUPPORTED_ARCHS)}. For other models pass a Hugging Face MLX repo id"
-        )
-    return arch
-
-
-def hf_config(meta: dict[str, Any], arch: str, tensor_names: set[str], dtype: str) -> dict:
-    """An HF-style config.json for mlx-lm's llama / qwen2 models from `<arch>.*` metadata."""
-
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise ModelError(f"GGUF metadata lacks {arch}.{name}; the file is incomplete")
-        return value
-
-    hidden, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
-    n_kv = key("attention.head_count_kv", n_heads)
-    if isinstance(n_kv, list):
-        # Some files store one count per layer; only a uniform count maps onto HF configs.
-        if len(set(n_kv)) != 1:
-            raise ModelError(f"per-layer kv head counts {sorted(set(n_kv))} are not supported")
-        n_kv = n_kv[0]
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    tied = "output.weight" not in tensor_names
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
-        "model_type": arch,
-        "hidden_size": hidden,
-        "num_hidden_layers": int(key("block_count")),
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": int(n_kv),
-        "head_dim": int(key("attention.key_length", hidden // n_heads)),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "vocab_size": int(key("vocab_size", len(tokens))),
-        "max_position_embeddings": int(key("context_length")),
-        "tie_word_embeddings": tied,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
-        "hidden_act": "silu",
-        "torch_dtype": "float32" if dtype == "q4" else dtype,
+            f"mlx-lm cannot build a {config['model_type']} model from this GGUF's metadata "
+            f"({type(e).__name__}: {e})"
+        ) from e
+    shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    for p in plan:
+        want = shapes.get(p.hf_name)
+        if want is not None and want != p.shape:
+            raise ModelError(
+                f"tensor {p.sources[0].name!r} has shape {p.shape} but {config['model_type']} "
+                f"expects {want} for {p.hf_name}; the GGUF metadata and tensors disagree"
+            )
+    if dtype not in QUANT_BITS:
+        return set()
+    modules = {path for path, m in model.named_modules() if hasattr(m, "to_quantized")}
+    return {
+        p.hf_name
+        for p in plan
+        if p.hf_name.endswith(".weight")
+        and p.hf_name.removesuffix(".weight") in modules
+        and gguf_quant.quantizable(p.shape)
     }
-    if arch == "llama":
-        config["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
-    else:
-        config["use_sliding_window"] = False
-    for name in ("bos", "eos", "padding"):
-        if (idx := meta.get(f"tokenizer.ggml.{name}_token_id")) is not None:
-            config["pad_token_id" if name == "padding" else f"{name}_token_id"] = int(idx)
-    if (scaling := meta.get(f"{arch}.rope.scaling.type")) not in (None, "none"):
-        if scaling != "linear":
-            raise ModelError(f"GGUF rope scaling {scaling!r} is not supported (only 'linear')")
-        config["rope_scaling"] = {"type": "linear", "factor": float(key("rope.scaling.factor"))}
-    if dtype == "q4":
-        config["quantization"] = {"group_size": _Q4_1_GROUP, "bits": 4}
-        config["quantization_config"] = dict(config["quantization"])
-    return config
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """The HF checkpoint name for a GGUF tensor name, or None if the name is unknown."""
-    stem, _, suffix = gguf_name.rpartition(".")
-    if suffix not in ("weight", "bias"):
-        return None
-    if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
-    parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-    return None
 
 
 def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -207,100 +134,71 @@ def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def q4_1_to_mlx(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Repack Q4_1 rows (rows, n_blocks * 20 bytes) as MLX affine 4-bit (w, scales, biases).
-
-    Q4_1 keeps value i in the low nibble and value i+16 in the high nibble of byte i; MLX packs
-    8 consecutive values per uint32, value j in bits 4j..4j+3.
-    """
-    rows = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(rows, -1, _Q4_1_BYTES)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (rows, nb)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    qs = blocks[..., 4:]  # (rows, nb, 16)
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.uint32)  # (rows, nb, 32)
-    q = q.reshape(rows, -1, 8)  # (rows, in / 8, 8)
-    shifts = np.arange(0, 32, 4, dtype=np.uint32)
-    packed = np.bitwise_or.reduce(q << shifts, axis=-1).astype(np.uint32)  # (rows, in / 8)
-    return packed, d, m
+def _values(reader: GGUFFile, p: OutTensor | TensorInfo) -> np.ndarray:
+    """The tensor as float32, with llama.cpp's transforms undone."""
+    if isinstance(p, TensorInfo):
+        p = OutTensor(p.name, (p,))
+    arrays = [
+        gguf_quant.dequantize(reader.raw(t), t.qtype, t.name).reshape(t.shape) for t in p.sources
+    ]
+    values = p.combine(arrays) if p.combine else arrays[0]
+    if p.rope_heads:
+        values = unpermute_rope(values, p.rope_heads)
+    if p.shift:
+        values = values + np.float32(p.shift)
+    return values
 
 
-def _plan(reader, arch: str, config: dict, path: Path) -> list[_Planned]:
-    plan = []
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
-            raise ModelError(
-                f"{path} uses llama3-style rope frequency scaling (rope_freqs.weight), which the "
-                "GGUF importer does not support; use the model's Hugging Face MLX repo instead"
-            )
-        name = hf_name(t.name)
-        if name is None:
-            raise ModelError(f"unexpected tensor {t.name!r} in {path} for architecture {arch!r}")
-        heads = None
-        if arch == "llama" and ".attn_q." in t.name:
-            heads = config["num_attention_heads"]
-        elif arch == "llama" and ".attn_k." in t.name:
-            heads = config["num_key_value_heads"]
-        plan.append(_Planned(t.name, name, t, heads))
-    return plan
-
-
-def _check_types(plan: list[_Planned], path: Path) -> None:
-    """Fail before writing anything if a tensor uses a type the gguf package cannot dequantize."""
-    from gguf import GGML_QUANT_SIZES
-    from gguf.quants import dequantize
-
-    seen: dict[Any, str] = {}
-    for p in plan:
-        seen.setdefault(p.tensor.tensor_type, p.gguf_name)
-    for qtype, name in seen.items():
-        _, type_size = GGML_QUANT_SIZES[qtype]
-        try:
-            dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
-        except NotImplementedError as e:
-            raise ModelError(
-                f"tensor {name!r} in {path} uses quantization {qtype.name}, which cannot be "
-                "dequantized by the installed gguf package; upgrade it (pip install -U gguf) or "
-                "use another quantization of the model"
-            ) from e
-
-
-def _convert(p: _Planned, dtype: str) -> dict[str, mx.array]:
-    """The MLX arrays for one GGUF tensor (three for a q4-kept matrix)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    t = p.tensor
-    shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # ggml lists dims innermost first
-    is_matrix = len(shape) == 2 and p.hf_name.endswith(".weight") and "embed" not in p.hf_name
-    if dtype == "q4" and t.tensor_type == GGMLQuantizationType.Q4_1 and is_matrix:
-        w, scales, biases = q4_1_to_mlx(np.asarray(t.data))
-        if p.n_rope_heads:
-            w, scales, biases = (unpermute_rope(a, p.n_rope_heads) for a in (w, scales, biases))
+def _convert(
+    reader: GGUFFile, p: OutTensor, dtype: str, quantize: bool
+) -> tuple[dict[str, mx.array], int | None]:
+    """The MLX arrays for one output tensor, and its bits when stored quantized."""
+    if quantize:
         base = p.hf_name.removesuffix(".weight")
-        arrays = {".weight": w, ".scales": scales, ".biases": biases}
-        return {base + k: mx.array(np.ascontiguousarray(a)) for k, a in arrays.items()}
-    values = dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).reshape(shape)
-    if p.n_rope_heads:
-        values = unpermute_rope(values, p.n_rope_heads)
+        src = p.sources[0]
+        exact = None
+        if len(p.sources) == 1 and not p.combine and not p.shift:
+            exact = gguf_quant.lossless(reader.raw(src), src.qtype, dtype, base)
+        if exact is not None:
+            *arrays, bits = exact
+            # Un-permuting rows commutes with row-wise quantization, so it stays exact.
+            if p.rope_heads:
+                arrays = [unpermute_rope(a, p.rope_heads) for a in arrays]
+            w, scales, biases = (mx.array(np.ascontiguousarray(a)) for a in arrays)
+        else:
+            bits = QUANT_BITS[dtype]
+            w, scales, biases = gguf_quant.quantize(_values(reader, p), dtype)
+        return {f"{base}.weight": w, f"{base}.scales": scales, f"{base}.biases": biases}, bits
     target = {"float16": mx.float16, "bfloat16": mx.bfloat16}.get(dtype, mx.float32)
-    return {p.hf_name: mx.array(np.ascontiguousarray(values)).astype(target)}
+    return {p.hf_name: mx.array(np.ascontiguousarray(_values(reader, p))).astype(target)}, None
 
 
-def _out_bytes(p: _Planned, dtype: str) -> int:
-    n = int(np.prod(p.tensor.shape))
+def _out_bytes(p: OutTensor, dtype: str, quantized: bool) -> int:
+    n = int(np.prod(p.shape))
+    if quantized:
+        return n * QUANT_BITS[dtype] // 8 + n // GROUP_SIZE * 8
     return n * (2 if dtype in ("float16", "bfloat16") else 4)
 
 
-def _write_weights(plan: list[_Planned], out: Path, dtype: str, progress: bool, label: str) -> None:
-    """Write `model.safetensors`, or `model-0000i-of-0000n.safetensors` shards plus an index."""
+def _write_weights(
+    reader: GGUFFile,
+    plan: list[OutTensor],
+    out: Path,
+    dtype: str,
+    quantized: set[str],
+    progress: bool,
+) -> dict[str, int]:
+    """Write `model.safetensors`, or `model-0000i-of-0000n.safetensors` shards plus an index.
+
+    Returns the bits of each quantized module stored at other than the --dtype's bits.
+    """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    shards: list[list[_Planned]] = [[]]
+    shards: list[list[OutTensor]] = [[]]
     size = 0
     for p in plan:
-        b = _out_bytes(p, dtype)
+        b = _out_bytes(p, dtype, p.hf_name in quantized)
         if shards[-1] and size + b > _SHARD_BYTES:
             shards.append([])
             size = 0
@@ -308,22 +206,27 @@ def _write_weights(plan: list[_Planned], out: Path, dtype: str, progress: bool, 
         size += b
     n = len(shards)
     weight_map: dict[str, str] = {}
+    other_bits: dict[str, int] = {}
     columns = ("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn())
     # Progress goes to stderr so that stdout carries only the answer.
     console = Console(stderr=True)
     with Progress(*columns, TimeElapsedColumn(), disable=not progress, console=console) as bar:
-        task = bar.add_task(f"importing {label}", total=len(plan))
+        task = bar.add_task(f"importing {reader.path.name}", total=len(plan))
         for i, shard in enumerate(shards, 1):
             fname = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
             arrays: dict[str, mx.array] = {}
             for p in shard:
-                arrays.update(_convert(p, dtype))
+                converted, bits = _convert(reader, p, dtype, p.hf_name in quantized)
+                arrays.update(converted)
+                if bits is not None and bits != QUANT_BITS[dtype]:
+                    other_bits[p.hf_name.removesuffix(".weight")] = bits
                 bar.advance(task)
             mx.save_safetensors(str(out / fname), arrays, metadata={"format": "mlx"})
             weight_map.update(dict.fromkeys(arrays, fname))
     if n > 1:
         index = {"metadata": {}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return other_bits
 
 
 @contextmanager

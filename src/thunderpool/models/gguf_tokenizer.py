@@ -1,7 +1,8 @@
 """Build a Hugging Face `tokenizer.json` + `tokenizer_config.json` from GGUF tokenizer metadata.
 
-Only byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) are handled; the
-pre-tokenizer follows llama.cpp's `tokenizer.ggml.pre` names so ids match llama.cpp.
+Byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`, pre-tokenizer from llama.cpp's
+`tokenizer.ggml.pre` names) and SentencePiece ones (`"llama"`: Llama 2, Mistral, Mixtral,
+Phi-3, Gemma) are handled so that ids match llama.cpp's own tokenizer.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from tokenizers import pre_tokenizers as pre
 
 from thunderpool.errors import ModelError
+from thunderpool.models.gguf_pretok import SPLITS
 
 # llama.cpp token types (llama_token_type); CONTROL tokens are special, USER_DEFINED are added.
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 
 # Split patterns of the tokenizers these GGUF `pre` names were converted from.
 _QWEN2_SPLIT = (
@@ -31,7 +33,7 @@ _PRE_GPT2 = ("default", "gpt2", "gpt-2")
 _PRE_DIGITS = ("smollm", "starcoder", "refact")
 _PRE_QWEN2 = ("qwen2",)
 _PRE_LLAMA3 = ("llama3", "llama-bpe", "llama-v3")
-SUPPORTED_PRE = _PRE_GPT2 + _PRE_DIGITS + _PRE_QWEN2 + _PRE_LLAMA3
+SUPPORTED_PRE = _PRE_GPT2 + _PRE_DIGITS + _PRE_QWEN2 + _PRE_LLAMA3 + tuple(SPLITS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,8 @@ class GGUFVocab:
     tokens: Sequence[str]
     token_types: Sequence[int]
     merges: Sequence[str]
+    scores: Sequence[float]
+    add_space_prefix: bool
     bos_id: int | None
     eos_id: int | None
     unk_id: int | None
@@ -63,6 +67,8 @@ class GGUFVocab:
             tokens=tokens,
             token_types=meta.get(p + "token_type") or [1] * len(tokens),
             merges=meta.get(p + "merges") or [],
+            scores=meta.get(p + "scores") or [],
+            add_space_prefix=bool(meta.get(p + "add_space_prefix", True)),
             bos_id=meta.get(p + "bos_token_id"),
             eos_id=meta.get(p + "eos_token_id"),
             unk_id=meta.get(p + "unknown_token_id"),
@@ -92,6 +98,9 @@ def _pre_tokenizer(name: str) -> tuple[pre.PreTokenizer, normalizers.Normalizer 
     if name in _PRE_LLAMA3:
         split = pre.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
         return pre.Sequence([split, byte_level]), None, True
+    if name in SPLITS:
+        splits = [pre.Split(Regex(r), behavior="isolated") for r in SPLITS[name]]
+        return pre.Sequence([*splits, byte_level]), None, False
     raise ModelError(
         f"GGUF tokenizer pre-tokenizer {name!r} is not supported; supported: "
         f"{', '.join(SUPPORTED_PRE)}. Use the model's Hugging Face repo instead of the GGUF file"
@@ -100,11 +109,61 @@ def _pre_tokenizer(name: str) -> tuple[pre.PreTokenizer, normalizers.Normalizer 
 
 def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
     """A `tokenizers.Tokenizer` equivalent to the GGUF vocabulary."""
-    if vocab.model != "gpt2":
+    if vocab.model == "llama":
+        tok = _sentencepiece(vocab)
+    elif vocab.model == "gpt2":
+        tok = _byte_level_bpe(vocab)
+    else:
         raise ModelError(
-            f"GGUF tokenizer model {vocab.model!r} is not supported (only byte-level BPE, 'gpt2'); "
-            "use the model's Hugging Face repo instead of the GGUF file"
+            f"GGUF tokenizer model {vocab.model!r} is not supported (only 'gpt2' byte-level BPE "
+            "and 'llama' SentencePiece); pass the model's Hugging Face safetensors directory "
+            "instead of the GGUF file"
         )
+    added = [
+        AddedToken(t, special=(kind == _CONTROL), normalized=False)
+        for t, kind in zip(vocab.tokens, vocab.token_types, strict=True)
+        if kind in (_CONTROL, _USER_DEFINED)
+    ]
+    tok.add_tokens(added)
+    tok.post_processor = _post_processor(vocab)
+    return tok
+
+
+def _sentencepiece(vocab: GGUFVocab) -> Tokenizer:
+    """llama.cpp's SPM tokenizer as BPE: it merges the adjacent pair whose union scores highest,
+    so every split of a piece into two pieces is a merge ranked by the union's score; characters
+    outside the vocabulary fall back to <0xXX> byte tokens."""
+    if len(vocab.scores) != len(vocab.tokens):
+        raise ModelError("GGUF SentencePiece vocabulary has no tokenizer.ggml.scores")
+    normal = {}
+    for i, (t, kind) in enumerate(zip(vocab.tokens, vocab.token_types, strict=True)):
+        if kind == _NORMAL:
+            normal.setdefault(t, i)
+    ranked = []
+    for t, i in normal.items():
+        for cut in range(1, len(t)):
+            if t[:cut] in normal and t[cut:] in normal:
+                ranked.append((-vocab.scores[i], i, cut, t))
+    ranked.sort()
+    merges = [(t[:cut], t[cut:]) for _, _, cut, t in ranked]
+    ids = {}
+    for i, t in enumerate(vocab.tokens):
+        ids.setdefault(t, i)
+    unk = vocab.token(vocab.unk_id) or "<unk>"
+    model = models.BPE(ids, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    tok = Tokenizer(model)
+    # llama.cpp prefixes a space to the text and to the text after each special token; the
+    # normalizer runs on each stretch between added tokens, so Prepend does the same.
+    steps = [normalizers.Prepend("▁")] if vocab.add_space_prefix else []
+    tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+    decode = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if vocab.add_space_prefix:
+        decode.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(decode)
+    return tok
+
+
+def _byte_level_bpe(vocab: GGUFVocab) -> Tokenizer:
     pre_tok, normalizer, ignore_merges = _pre_tokenizer(vocab.pre)
     ids = {tok: i for i, tok in enumerate(vocab.tokens)}
     merges = [tuple(m.split(" ", 1)) for m in vocab.merges]
@@ -113,13 +172,6 @@ def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
     if normalizer is not None:
         tok.normalizer = normalizer
     tok.decoder = decoders.ByteLevel()
-    added = [
-        AddedToken(t, special=(kind == _CONTROL), normalized=False)
-        for t, kind in zip(vocab.tokens, vocab.token_types, strict=True)
-        if kind in (_CONTROL, _USER_DEFINED)
-    ]
-    tok.add_tokens(added)
-    tok.post_processor = _post_processor(vocab)
     return tok
 
 
