@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
@@ -29,17 +30,30 @@ from thunderpool.cluster.messages import (
 from thunderpool.cluster.probe import measure
 from thunderpool.cluster.ranks import RankManager
 from thunderpool.cluster.state import ClusterState, apply
+from thunderpool.cluster.weights_api import Weights, add_weight_routes
 
 log = logging.getLogger("thunderpool.agent")
 
 
 class Agent:
     def __init__(
-        self, identity: Identity, info: NodeInfo, contact: str, probe_port: int, ranks: RankManager
+        self,
+        identity: Identity,
+        info: NodeInfo,
+        contact: str,
+        probe_port: int,
+        ranks: RankManager,
+        cache_dir: Path | None = None,
     ):
+        from thunderpool.models.source import default_cache_dir
+
         self.identity, self.info, self.contact = identity, info, contact
         self.probe_port = probe_port
         self.ranks = ranks
+        # Serves this node's models to members and fetches the shards its ranks need.
+        self.weights = Weights(
+            identity.token, ranks.resolve_model, cache_dir or default_cache_dir()
+        )
         self.lock = threading.Lock()
         self.nonces = NonceCache()
         self.state = apply(ClusterState(), Hello(node=info, contact=contact))
@@ -171,6 +185,7 @@ def create_agent_app(agent: Agent) -> FastAPI:
         agent.ranks.stop(msg.instance_id)
         return {"stopped": msg.instance_id}
 
+    add_weight_routes(app, agent.weights, signed)
     return app
 
 
