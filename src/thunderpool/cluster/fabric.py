@@ -21,6 +21,9 @@ from thunderpool.errors import LaunchError
 
 POLL_S = 0.25
 NODE_TIMEOUT_S = 5.0
+# A node silent this long is lost; shorter cuts (a cable re-plugged) only pause its fetch,
+# which resumes by itself from its last verified chunk.
+LOST_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +109,7 @@ def _link_rank(state: ClusterState, source: str, receiver: str) -> tuple[float, 
 def _wait(client, state: ClusterState, started: dict[str, str], report) -> dict[int, str]:
     dirs: dict[int, str] = {}
     pending = dict(started)
+    heard = dict.fromkeys(started, time.monotonic())
     while pending:
         seen = []
         for node, fetch_id in list(pending.items()):
@@ -113,10 +117,14 @@ def _wait(client, state: ClusterState, started: dict[str, str], report) -> dict[
                 snap = client(node).call(
                     "GET", f"/v1/weights/fetch/{fetch_id}", timeout=NODE_TIMEOUT_S
                 )
+                heard[node] = time.monotonic()
             except AgentError as e:
-                raise LaunchError(
-                    f"lost node {_name(state, node)} while it fetched its weights: {e}"
-                ) from None
+                if time.monotonic() - heard[node] > LOST_S:
+                    raise LaunchError(
+                        f"lost node {_name(state, node)} while it fetched its weights (no "
+                        f"answer for {LOST_S:.0f} s: {e})"
+                    ) from None
+                continue
             seen.append(NodeFetch(node, _name(state, node), snap))
             if snap["state"] == "failed":
                 raise LaunchError(

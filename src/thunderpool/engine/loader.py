@@ -145,9 +145,10 @@ def _unslice(model: nn.Module, slices: dict, model_dir: Path) -> None:
     model.load_weights(updates, strict=False)
 
 
-def unloaded_modules(model: nn.Module, model_dir: Path) -> dict[int, str]:
-    """Modules of a partial shard whose weights it lacks (id -> name): a rank must drop them
-    all before evaluating, else it would compute with initial, not loaded, weights."""
+def unloaded_modules(model: nn.Module, model_dir: Path) -> dict[int, tuple[nn.Module, str]]:
+    """Modules of a partial shard whose weights it lacks (id -> (module, name)): a rank must
+    drop them all before evaluating, else it would compute with initial, not loaded, weights.
+    Holding the module keeps its id from being reused by a new one."""
     if not (model_dir / SHARD_MANIFEST).is_file():
         return {}
     weights: dict = {}
@@ -159,7 +160,7 @@ def unloaded_modules(model: nn.Module, model_dir: Path) -> dict[int, str]:
     missing = {}
     for name, _ in tree_flatten(model.parameters()):
         if name not in weights and (owner := modules.get(name.rsplit(".", 1)[0])) is not None:
-            missing[id(owner)] = name
+            missing[id(owner)] = (owner, name)
     return missing
 
 
@@ -184,9 +185,9 @@ def load_shard(
         method = tensor.shard(model, group, weights)
         vocab.split_head(model, group, weights)
     for _, module in model.named_modules():
-        if id(module) in unloaded:
+        if unloaded.get(id(module), (None,))[0] is module:
             raise ModelError(
-                f"shard {model_dir} lacks {unloaded[id(module)]}, which rank {group.rank()} "
+                f"shard {model_dir} lacks {unloaded[id(module)][1]}, which rank {group.rank()} "
                 "needs; it was fetched for another layout: remove it (`thunderpool cache rm`)"
             )
     try:
