@@ -189,3 +189,44 @@ def test_weights_need_the_token_and_a_fresh_signature(pair):
         httpx.get(f"http://{address}{other}", headers=sign(TOKEN, "GET", path)).status_code == 401
     )
     assert a.weights.source.served_bytes == served + len(ok.content)
+
+
+def test_cache_ls_and_rm_from_the_command_line(pair):
+    import subprocess
+    import sys
+
+    _, _, b, coord = pair
+    address = coord.discover().contacts["a"]
+    cli = [sys.executable, "-m", "thunderpool", "cache"]
+    flags = ["--join", address, "--token", TOKEN]
+    listed = subprocess.run([*cli, "ls", *flags], capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    shards = b.weights.cache()["shards"]
+    assert shards and all(s["key"] in listed.stdout for s in shards)
+    removed = subprocess.run(
+        [*cli, "rm", "--node", "b", *flags], capture_output=True, text=True, timeout=120
+    )
+    assert removed.returncode == 0, removed.stderr
+    assert f"removed {len(shards)} shard(s)" in removed.stdout
+    assert b.weights.cache()["shards"] == []
+
+
+def test_health_detail_names_each_fetching_node_in_the_dashboards_format():
+    import re
+
+    from thunderpool.cluster.cache_cli import health_listener
+    from thunderpool.cluster.fabric import NodeFetch
+
+    class Gateway:
+        state, progress, detail = "loading", 0.0, ""
+
+        def loading(self, progress, detail, state="loading"):
+            self.progress, self.detail, self.state = progress, detail, state
+
+    gw = Gateway()
+    snap = {"total_bytes": 4 << 20, "done_bytes": 1 << 20, "rate_Bps": 2 << 20, "eta_s": 1.5}
+    health_listener(gw)([NodeFetch("b", "mac-2", snap), NodeFetch("c", "mac-3", snap)])
+    assert gw.progress == 0.25 and gw.detail.startswith("fetching weights: ")
+    clause = re.compile(r"^(.*) ([\d.]+)/([\d.]+) MiB at ([\d.]+) MiB/s, ETA (.*)$")  # fetch.js
+    parsed = [clause.match(c).groups() for c in gw.detail[18:].split("; ")]
+    assert parsed == [(n, "1.0", "4.0", "2.0", "2 s") for n in ("mac-2", "mac-3")]

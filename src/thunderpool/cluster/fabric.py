@@ -64,10 +64,11 @@ def place_weights(
     """rank -> local shard directory for the ranks on nodes without the model ({} when every
     node has it). Raises LaunchError when no member has it or a fetch fails."""
     members = sorted(state.nodes)
+    model = job.model_dir or None  # "" names the default model, as on the ranks
 
     def has(node: str) -> bool:
         try:
-            reply = client(node).call("POST", "/v1/weights/locate", Locate(model=job.model_dir))
+            reply = client(node).call("POST", "/v1/weights/locate", Locate(model=model))
             return bool(reply["has"])
         except AgentError:
             return False
@@ -88,7 +89,7 @@ def place_weights(
     for node in receivers:
         ranked = sorted(sources, key=lambda s, n=node: _link_rank(state, s, n))
         req = FetchShards(
-            model=job.model_dir,
+            model=model,
             sources=tuple(source_address(state, s, node) for s in ranked),
             ranks=tuple(rank_layout(job, r, world) for r, o in enumerate(order) if o == node),
         )

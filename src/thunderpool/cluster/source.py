@@ -42,6 +42,7 @@ class ModelSource:
 
     def locate(self, name: str | None) -> tuple[Path, ModelIndex] | None:
         """The local copy of `name` and its index, or None when this node has none."""
+        name = name or None
         key = name or ""
         with self._lock:
             if key in self._models:
