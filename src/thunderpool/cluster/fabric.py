@@ -66,10 +66,11 @@ def place_weights(
     members = sorted(state.nodes)
     model = job.model_dir or None  # "" names the default model, as on the ranks
 
-    def has(node: str) -> bool:
+    def has(node: str, download: bool = False) -> bool:
         try:
-            reply = client(node).call("POST", "/v1/weights/locate", Locate(model=model))
-            return bool(reply["has"])
+            req = Locate(model=model, download=download)
+            timeout = 3600.0 if download else 60.0  # a download of the whole model, once
+            return bool(client(node).call("POST", "/v1/weights/locate", req, timeout)["has"])
         except AgentError:
             return False
 
@@ -79,6 +80,11 @@ def place_weights(
     if not receivers:
         return {}
     sources = [n for n in members if holders[n]]
+    if not sources and has(order[0], download=True):
+        # No member holds it: the leader's node downloads it once, the others fetch from it.
+        sources, receivers = [order[0]], [n for n in receivers if n != order[0]]
+        if not receivers:
+            return {}
     if not sources:
         raise LaunchError(
             f"no node of the cluster has model {job.model_dir or '(default)'}; put it on one "

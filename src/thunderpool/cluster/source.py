@@ -40,8 +40,10 @@ class ModelSource:
         self._lock = threading.Lock()
         self.served_bytes = 0
 
-    def locate(self, name: str | None) -> tuple[Path, ModelIndex] | None:
-        """The local copy of `name` and its index, or None when this node has none."""
+    def locate(self, name: str | None, download: bool = False) -> tuple[Path, ModelIndex] | None:
+        """The local copy of `name` and its index, or None when this node has none. A hub id
+        is looked up in the local hub cache only, unless `download`: one node downloads,
+        the others fetch their shards from it."""
         name = name or None
         key = name or ""
         with self._lock:
@@ -50,7 +52,7 @@ class ModelSource:
         if self.resolve is None:
             return None
         try:
-            path = self.resolve(name)
+            path = self.resolve(name) if download or not _hub_id(name) else _hub_cached(name)
             found = (path, index_model(path))
         except (ModelError, OSError):
             return None
@@ -126,6 +128,23 @@ class ModelSource:
             return rows.tobytes()
         finally:
             os.close(fd)
+
+
+def _hub_id(name: str | None) -> bool:
+    from thunderpool.models.source import _REPO_ID
+
+    return bool(name) and not Path(name).expanduser().exists() and bool(_REPO_ID.match(name))
+
+
+def _hub_cached(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    from thunderpool.models.source import _HUB_PATTERNS
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, local_files_only=True))
+    except Exception as e:  # the hub raises many types; here all mean "not cached here"
+        raise ModelError(f"{repo_id} is not in this node's hub cache: {e}") from e
 
 
 def _pread(fd: int, length: int, offset: int) -> bytes:

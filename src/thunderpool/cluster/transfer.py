@@ -40,6 +40,7 @@ from thunderpool.errors import ThunderpoolError
 log = logging.getLogger("thunderpool.transfer")
 WEIGHTS_FILE = "model.safetensors"
 STALL_S = 120.0  # no verified chunk for this long: the source or the link is gone
+_RESERVED = {WEIGHTS_FILE, "chunks.log", "plan.bin", SHARD_MANIFEST}
 MAX_CORRUPT = 5  # the same chunk failing its hash this often: the source itself is bad
 
 
@@ -79,6 +80,7 @@ class Progress:
     error: str = ""
     shards: dict[int, str] = field(default_factory=dict)  # rank -> shard directory
     started: float = field(default_factory=time.monotonic)
+    finished: float | None = None
     last_progress: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -89,9 +91,13 @@ class Progress:
             self.reused_bytes += reused
             self.last_progress = time.monotonic()
 
+    def end(self, state: str, error: str = "") -> None:
+        with self.lock:
+            self.state, self.error, self.finished = state, error, time.monotonic()
+
     def snapshot(self) -> dict:
         with self.lock:
-            elapsed = max(time.monotonic() - self.started, 1e-6)
+            elapsed = max((self.finished or time.monotonic()) - self.started, 1e-6)
             rate = self.received_bytes / elapsed
             left = self.total_bytes - self.done_bytes
             return {
@@ -170,11 +176,9 @@ class ShardFetch:
         try:
             out = self._run()
         except Exception as e:
-            with self.progress.lock:
-                self.progress.state, self.progress.error = "failed", str(e)
+            self.progress.end("failed", str(e))
             raise
-        with self.progress.lock:
-            self.progress.state = "done"
+        self.progress.end("done")
         return out
 
     def _run(self) -> dict[int, Path]:
@@ -282,7 +286,10 @@ def _plan(directory: Path, index: ModelIndex, pieces: list[Piece]) -> _Shard:
     offsets: dict[str, tuple[str, int]] = {}
     for p in pieces:
         if p.is_file:
-            offsets[p.key] = (p.name.removeprefix("file:"), 0)
+            name = p.name.removeprefix("file:")
+            if "/" in name or "\\" in name or name.startswith(".") or name in _RESERVED:
+                raise FetchError(f"the source named a model file {name!r}; refusing to write it")
+            offsets[p.key] = (name, 0)
         else:
             offsets[p.key] = (WEIGHTS_FILE, len(head) + header[p.name]["data_offsets"][0])
     return _Shard(directory, pieces, offsets, head, slices)

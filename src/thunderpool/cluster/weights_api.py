@@ -33,6 +33,7 @@ class _Wire(BaseModel):
 
 class Locate(_Wire):
     model: str | None = None
+    download: bool = False  # a hub id no member holds: this node downloads it once
 
 
 class FetchShards(_Wire):
@@ -75,7 +76,7 @@ class Weights:
         try:
             fetch.run()
         except (FetchError, OSError, ValueError) as e:
-            fetch.progress.state, fetch.progress.error = "failed", str(e)
+            fetch.progress.end("failed", str(e))
         finally:
             with self._lock:
                 self.received_bytes += fetch.progress.received_bytes
@@ -143,7 +144,7 @@ def add_weight_routes(app: FastAPI, weights: Weights, signed) -> None:
     @app.post("/v1/weights/locate")
     def locate(body: bytes = Depends(signed)):
         req = Locate.model_validate_json(body)
-        found = weights.source.locate(req.model)
+        found = weights.source.locate(req.model, req.download)
         return {"has": found is not None, "identity": found[1].identity if found else ""}
 
     @app.post("/v1/weights/fetch")
