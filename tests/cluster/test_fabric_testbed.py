@@ -29,6 +29,7 @@ from thunderpool.cluster.coordinator import ClusterInstance, Coordinator
 from thunderpool.cluster.transfer import encode
 from thunderpool.cluster.weights_api import Locate, RemoveShards
 from thunderpool.engine.job import RankJob, TraceTask
+from thunderpool.models.source import default_gguf_path, resolve_model
 
 pytestmark = [
     pytest.mark.skipif(available() is not None, reason=str(available())),
@@ -61,10 +62,13 @@ def make_checkpoint(path: Path, seed: int = 0) -> Path:
 
 
 def hidden_node(bed: Testbed, i: int, tmp: Path, models: Path, *extra: str) -> list[str]:
-    """Host i's agent in its own mount namespace: `models` is an empty tmpfs there."""
+    """Host i's agent in its own mount namespace where `models` and the embedded model's
+    package are empty tmpfs: it has neither the test checkpoint nor SmolLM2."""
     cmd = node_cmd(bed, i, tmp, *extra)
     cmd.insert(1, f"THUNDERPOOL_CACHE={tmp}/cache{i}")
-    inner = f"mount -t tmpfs none {shlex.quote(str(models))} && exec {shlex.join(cmd)}"
+    hide = [models, default_gguf_path().parent]
+    mounts = " && ".join(f"mount -t tmpfs none {shlex.quote(str(d))}" for d in hide)
+    inner = f"{mounts} && exec {shlex.join(cmd)}"
     return ["unshare", "-m", "sh", "-c", inner]
 
 
@@ -101,10 +105,11 @@ def cache(bed, i: int) -> dict:
     return AgentClient(f"{bed.host(i).ip}:{PORT}", TOKEN).call("GET", "/v1/weights/cache")
 
 
-def launch(setup, hosts: tuple[int, ...], parallel: str, out: Path) -> list:
-    bed, coord, state, ids, model, _ = setup
+def launch(setup, hosts: tuple[int, ...], parallel: str, out: Path, model: str | None = None):
+    bed, coord, state, ids, checkpoint, _ = setup
+    model = str(checkpoint) if model is None else model
     task = TraceTask(prompts=tuple(map(tuple, tiny_prompts(2))), max_tokens=16, out=str(out))
-    job = RankJob(model_dir=str(model), world_size=len(hosts), parallel=parallel, task=task)
+    job = RankJob(model_dir=model, world_size=len(hosts), parallel=parallel, task=task)
     order = [ids[i] for i in hosts]
     with ClusterInstance(coord, state, order, job, timeout=300) as inst:
         return list(inst.events())
@@ -202,6 +207,23 @@ def test_a_cut_link_pauses_the_fetch_which_resumes_and_the_instance_starts(
     assert fetch["done_bytes"] == fetch["total_bytes"]
     # Resumed, not restarted: what was verified before the cut was not fetched again.
     assert fetch["received_bytes"] == fetch["total_bytes"]
+
+
+@pytest.mark.parametrize("parallel", ["tp", "pp"])
+def test_the_embedded_model_over_two_hosts_matches_one_rank(bed, tmp_path, parallel):
+    """SmolLM2 (9 query / 3 KV heads: TP2 splits them unevenly; tied embedding), named as
+    the user names it (no --model): host 1 imports it, host 2 receives its shard."""
+    b = bed[0]
+    local = resolve_model(None, progress=False)
+    ref = run_trace(local, tmp_path / "ref.npz", 1, prompts=tiny_prompts(2), max_tokens=16)
+    before = cache(b, 2)["received_bytes"]
+    events = launch(bed, (1, 2), parallel, tmp_path / "out.npz", model="")
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npz")["tokens"], ref["tokens"])
+    got = cache(b, 2)["received_bytes"] - before
+    files = sum(p.stat().st_size for p in local.iterdir() if not p.name.endswith(".safetensors"))
+    shard = param_bytes(events, 1)
+    print(f"SmolLM2 {parallel}2: host 2 received {got} B for a {shard} B shard")
+    assert 0 < got <= (shard + files) * 1.05
 
 
 def test_weights_are_refused_without_the_token(bed):
