@@ -105,6 +105,12 @@ def cache(bed, i: int) -> dict:
     return AgentClient(f"{bed.host(i).ip}:{PORT}", TOKEN).call("GET", "/v1/weights/cache")
 
 
+def wire_bytes(bed, i: int) -> int:
+    """Everything host i asked the source for: weights, files, the index and hash lists."""
+    answer = cache(bed, i)
+    return answer["received_bytes"] + answer["metadata_bytes"]
+
+
 def launch(setup, hosts: tuple[int, ...], parallel: str, out: Path, model: str | None = None):
     bed, coord, state, ids, checkpoint, _ = setup
     model = str(checkpoint) if model is None else model
@@ -141,18 +147,20 @@ def test_only_host_1_has_the_model(bed):
 def test_tp2_across_hosts_fetches_its_half_and_matches_one_rank(bed, reference, tmp_path):
     b = bed[0]
     config_bytes = (bed[4] / "config.json").stat().st_size
-    before = cache(b, 2)["received_bytes"]
+    before = wire_bytes(b, 2)
     events = launch(bed, (1, 2), "tp", tmp_path / "tp.npz")
     np.testing.assert_array_equal(np.load(tmp_path / "tp.npz")["tokens"], reference)
-    got = cache(b, 2)["received_bytes"] - before
+    got = wire_bytes(b, 2) - before
     shard = param_bytes(events, 1)
     print(f"TP2: host 2 received {got} B for a {shard} B shard (model {_size(bed[4])} B)")
     assert 0 < got <= (shard + config_bytes) * 1.05
     assert got < 0.7 * _size(bed[4])
     # The same plan again moves nothing.
-    before = cache(b, 2)["received_bytes"]
+    before = cache(b, 2)
     launch(bed, (1, 2), "tp", tmp_path / "again.npz")
-    assert cache(b, 2)["received_bytes"] == before
+    after = cache(b, 2)
+    assert after["received_bytes"] == before["received_bytes"]
+    assert after["metadata_bytes"] - before["metadata_bytes"] < 64 << 10  # the index only
     np.testing.assert_array_equal(np.load(tmp_path / "again.npz")["tokens"], reference)
     listed = cache(b, 2)["shards"]
     assert len(listed) == 1 and listed[0]["bytes"] >= shard
@@ -160,12 +168,12 @@ def test_tp2_across_hosts_fetches_its_half_and_matches_one_rank(bed, reference, 
 
 def test_pp3_two_hosts_pull_at_once_and_each_gets_its_stage(bed, reference, tmp_path):
     b = bed[0]
-    before = {i: cache(b, i)["received_bytes"] for i in (2, 3)}
+    before = {i: wire_bytes(b, i) for i in (2, 3)}
     events = launch(bed, (1, 2, 3), "pp", tmp_path / "pp.npz")
     np.testing.assert_array_equal(np.load(tmp_path / "pp.npz")["tokens"], reference)
     config_bytes = (bed[4] / "config.json").stat().st_size
     for rank, i in ((1, 2), (2, 3)):
-        got = cache(b, i)["received_bytes"] - before[i]
+        got = wire_bytes(b, i) - before[i]
         print(f"PP3: host {i} received {got} B for a {param_bytes(events, rank)} B stage")
         assert 0 < got <= (param_bytes(events, rank) + config_bytes) * 1.05
 
@@ -216,10 +224,10 @@ def test_the_embedded_model_over_two_hosts_matches_one_rank(bed, tmp_path, paral
     b = bed[0]
     local = resolve_model(None, progress=False)
     ref = run_trace(local, tmp_path / "ref.npz", 1, prompts=tiny_prompts(2), max_tokens=16)
-    before = cache(b, 2)["received_bytes"]
+    before = wire_bytes(b, 2)
     events = launch(bed, (1, 2), parallel, tmp_path / "out.npz", model="")
     np.testing.assert_array_equal(np.load(tmp_path / "out.npz")["tokens"], ref["tokens"])
-    got = cache(b, 2)["received_bytes"] - before
+    got = wire_bytes(b, 2) - before
     files = sum(p.stat().st_size for p in local.iterdir() if not p.name.endswith(".safetensors"))
     shard = param_bytes(events, 1)
     print(f"SmolLM2 {parallel}2: host 2 received {got} B for a {shard} B shard")

@@ -62,12 +62,15 @@ class NonceCache:
         self.window = window
         self._seen: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._next_prune = 0.0
 
     def first_use(self, nonce: str, now: float) -> bool:
         with self._lock:
-            if len(self._seen) > 1024:
+            # Pruned every few seconds, not per request: weights move hundreds of chunks a second.
+            if now >= self._next_prune:
                 cutoff = now - 2 * self.window
                 self._seen = {n: t for n, t in self._seen.items() if t > cutoff}
+                self._next_prune = now + 10.0
             if nonce in self._seen:
                 return False
             self._seen[nonce] = now

@@ -73,6 +73,7 @@ class Progress:
     total_bytes: int = 0
     done_bytes: int = 0  # verified: fetched, copied from another shard, or already on disk
     received_bytes: int = 0  # payload bytes that crossed the network in this fetch
+    metadata_bytes: int = 0  # the index and hash lists (JSON) it asked for
     reused_bytes: int = 0  # copied from another local shard of the same model
     corrupt_chunks: int = 0
     retries: int = 0
@@ -106,6 +107,7 @@ class Progress:
                 "total_bytes": self.total_bytes,
                 "done_bytes": self.done_bytes,
                 "received_bytes": self.received_bytes,
+                "metadata_bytes": self.metadata_bytes,
                 "reused_bytes": self.reused_bytes,
                 "corrupt_chunks": self.corrupt_chunks,
                 "retries": self.retries,
@@ -182,7 +184,7 @@ class ShardFetch:
         return out
 
     def _run(self) -> dict[int, Path]:
-        index = ModelIndex.model_validate_json(self._get(f"/v1/weights/index?m={self._m}"))
+        index = ModelIndex.model_validate_json(self._meta(f"/v1/weights/index?m={self._m}"))
         root = shards_root(self.cache_dir) / model_label(index)
         dirs: dict[int, Path] = {}
         todo: dict[str, _Shard] = {}
@@ -214,6 +216,12 @@ class ShardFetch:
                     os.close(fd)
         return dirs
 
+    def _meta(self, path: str) -> bytes:
+        data = self._get(path)
+        with self.progress.lock:
+            self.progress.metadata_bytes += len(data)
+        return data
+
     def _get(self, path: str) -> bytes:
         """GET with retries across sources until the stall limit."""
         delay = 0.5
@@ -233,7 +241,7 @@ class ShardFetch:
 
     def _piece(self, shard: _Shard, piece: Piece, index: ModelIndex, reuse: dict) -> None:
         q = f"m={self._m}&p={encode(piece.key)}&c={self.chunk}"
-        hashes = json.loads(self._get(f"/v1/weights/hashes?{q}"))
+        hashes = json.loads(self._meta(f"/v1/weights/hashes?{q}"))
         name, base = shard.offsets[piece.key]
         fd = shard.fds[name]
         chunks = geometry(piece, index).chunks(self.chunk)
@@ -308,6 +316,9 @@ def _open(shard: _Shard) -> None:
     else:
         log_path.write_text("")
         plan.write_bytes(shard.header)
+        for name in {n for n, _ in shard.offsets.values()}:  # a fresh start: no stale bytes
+            with contextlib.suppress(FileNotFoundError):
+                (shard.directory / f"{name}.part").unlink()
     for name in {n for n, _ in shard.offsets.values()}:
         shard.fds[name] = os.open(shard.directory / f"{name}.part", os.O_RDWR | os.O_CREAT, 0o644)
     if WEIGHTS_FILE in shard.fds:

@@ -26,6 +26,8 @@ from thunderpool.cluster.transfer import (
     shards_root,
 )
 
+_LIVE = ("starting", "fetching")
+
 
 class _Wire(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -58,7 +60,8 @@ class Weights:
         self.token, self.cache_dir = token, cache_dir
         self.source = ModelSource(resolve, cache_dir)
         self.fetches: dict[str, ShardFetch] = {}
-        self.received_bytes = 0  # over every fetch since the agent started
+        self.received_bytes = 0  # weight and file bytes, over every fetch since the start
+        self.metadata_bytes = 0  # index and hash lists
         self._lock = threading.Lock()
 
     def start_fetch(self, req: FetchShards) -> str:
@@ -80,6 +83,7 @@ class Weights:
         finally:
             with self._lock:
                 self.received_bytes += fetch.progress.received_bytes
+                self.metadata_bytes += fetch.progress.metadata_bytes
 
     def cache(self) -> dict:
         shards = []
@@ -88,15 +92,12 @@ class Weights:
             size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
             shards.append({"model": d.parent.name, "key": d.name, "bytes": size, "path": str(d)})
         fetches = {i: f.progress.snapshot() for i, f in list(self.fetches.items())}
-        live = sum(
-            f.progress.received_bytes
-            for f in self.fetches.values()
-            if f.progress.state in ("starting", "fetching")
-        )
+        live = [f.progress for f in self.fetches.values() if f.progress.state in _LIVE]
         return {
             "shards": shards,
             "fetches": fetches,
-            "received_bytes": self.received_bytes + live,
+            "received_bytes": self.received_bytes + sum(p.received_bytes for p in live),
+            "metadata_bytes": self.metadata_bytes + sum(p.metadata_bytes for p in live),
             "served_bytes": self.source.served_bytes,
         }
 
