@@ -11,6 +11,7 @@ import socket
 import threading
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import uvicorn
@@ -230,3 +231,55 @@ def test_health_detail_names_each_fetching_node_in_the_dashboards_format():
     clause = re.compile(r"^(.*) ([\d.]+)/([\d.]+) MiB at ([\d.]+) MiB/s, ETA (.*)$")  # fetch.js
     parsed = [clause.match(c).groups() for c in gw.detail[18:].split("; ")]
     assert parsed == [(n, "1.0", "4.0", "2.0", "2 s") for n in ("mac-2", "mac-3")]
+
+
+def test_a_shard_in_many_chunks_holds_exactly_the_slices(pair, tmp_path):
+    """The receiver writes multi-chunk pieces at the right offsets (TP rank 1 of a 16 MB
+    model in 64 KiB chunks), and a fetch cut after some chunks resumes from them."""
+    from test_fabric_testbed import make_checkpoint
+
+    from thunderpool.cluster.shards import SHARD_MANIFEST
+    from thunderpool.cluster.transfer import ShardFetch, SourceClient
+
+    _, a, _, coord = pair
+    model = make_checkpoint(tmp_path / "m16")  # `a` resolves any path; nobody hides this one
+    layout = RankLayout(rank=1, world=2, parallel="tp")
+    client = SourceClient([coord.discover().contacts["a"]], TOKEN)
+
+    class Cut(Exception):
+        pass
+
+    calls = []
+    real_get = SourceClient.get
+
+    def cut_after_50_chunks(self, path, source=0):
+        if "/chunk?" in path:
+            calls.append(path)
+            if len(calls) == 50:
+                raise Cut()
+        return real_get(self, path, source)
+
+    first = ShardFetch(tmp_path / "cache", client, str(model), [layout], chunk=1 << 16, workers=1)
+    SourceClient.get = cut_after_50_chunks
+    try:
+        with pytest.raises(Cut):
+            first.run()
+    finally:
+        SourceClient.get = real_get
+    assert 0 < first.progress.received_bytes < first.progress.total_bytes
+    again = ShardFetch(tmp_path / "cache", client, str(model), [layout], chunk=1 << 16)
+    shard = again.run()[1]
+    total = again.progress.total_bytes
+    assert again.progress.received_bytes == total - first.progress.received_bytes  # resumed
+    assert (shard / SHARD_MANIFEST).is_file()
+    full = {k: np.array(v) for k, v in mx.load(str(model / "model.safetensors")).items()}
+    got = {k: np.array(v) for k, v in mx.load(str(shard / "model.safetensors")).items()}
+    index = index_model(model)
+    for piece in rank_pieces(index, layout):
+        if piece.is_file:
+            continue
+        want = full[piece.name]
+        if piece.axis is not None:
+            want = np.take(want, range(piece.a, piece.b), axis=piece.axis)
+        np.testing.assert_array_equal(got[piece.name], want, err_msg=piece.key)
+    assert sum(v.nbytes for v in got.values()) < 0.6 * sum(v.nbytes for v in full.values())

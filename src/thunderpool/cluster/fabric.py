@@ -69,7 +69,7 @@ def place_weights(
     def has(node: str, download: bool = False) -> bool:
         try:
             req = Locate(model=model, download=download)
-            timeout = 3600.0 if download else 60.0  # a download of the whole model, once
+            timeout = 3600.0 if download else 30.0  # a download of the whole model, once
             return bool(client(node).call("POST", "/v1/weights/locate", req, timeout)["has"])
         except AgentError:
             return False
