@@ -23,6 +23,11 @@ from thunderpool.parallel.pipeline import split_layers
 from thunderpool.parallel.tensor import proportional_split, split_heads
 
 CHUNK_BYTES = 8 << 20
+# Row ranges of the vocabulary tables are written at their place in a full-shape, sparse
+# tensor, not pre-sliced: a rank may read its rows of them straight from the file by name.
+IN_PLACE = ("lm_head.weight", "model.embed_tokens.weight")
+# Families whose embedding is a plain nn.Embedding, which a vocabulary split may cut by rows.
+_PLAIN_EMBEDDING = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 SHARD_MANIFEST = "thunderpool-shard.json"  # engine/loader.py reads the same name
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _SKIP_FILES = {"model.safetensors.index.json", SHARD_MANIFEST}
@@ -217,8 +222,15 @@ def _tp_piece(name: str, index: ModelIndex, layout: RankLayout) -> Piece:
     weights = list(layout.tp_weights or [1.0] * layout.world)
     if "quantization" in config or "quantization_config" in config:
         return whole
-    if name == "lm_head.weight" and len(t.shape) == 2:
-        a, b = proportional_split(t.shape[0], weights)[layout.rank]  # vocab.split_head
+    if len(t.shape) == 2 and (
+        name == "lm_head.weight"
+        or (
+            name == "model.embed_tokens.weight"
+            and _splits_embedding()
+            and config.get("model_type") in _PLAIN_EMBEDDING
+        )
+    ):
+        a, b = proportional_split(t.shape[0], weights)[layout.rank]  # parallel/vocab.py
         return Piece(name=name, axis=0, a=a, b=b)
     if not _LAYER.search(name):
         return whole
@@ -248,6 +260,14 @@ def _tp_piece(name: str, index: ModelIndex, layout: RankLayout) -> Piece:
         a, b = cols[suffix]
         return Piece(name=name, axis=1, a=a, b=b)
     return whole
+
+
+def _splits_embedding() -> bool:
+    """True where TP ranks keep only their rows of the embedding (parallel/vocab.split_vocab),
+    else every rank needs all of it for the lookup."""
+    from thunderpool.parallel import vocab
+
+    return hasattr(vocab, "split_vocab")
 
 
 def shard_key(identity: str, pieces: list[Piece]) -> str:

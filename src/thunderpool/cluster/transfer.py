@@ -26,6 +26,7 @@ import httpx
 from thunderpool.cluster.auth import sign
 from thunderpool.cluster.shards import (
     CHUNK_BYTES,
+    IN_PLACE,
     SHARD_MANIFEST,
     ModelIndex,
     Piece,
@@ -152,6 +153,7 @@ class _Shard:
     offsets: dict[str, tuple[str, int]]  # piece key -> (file in the shard, byte offset)
     header: bytes
     slices: dict[str, dict]
+    size: int  # of the weights file: holes where in-place rows are not this rank's
     fds: dict[str, int] = field(default_factory=dict)
     logged: dict[tuple[str, int], str] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -280,13 +282,22 @@ def _plan(directory: Path, index: ModelIndex, pieces: list[Piece]) -> _Shard:
     header: dict = {"__metadata__": {"format": "mlx"}}
     slices: dict[str, dict] = {}
     tensors = [p for p in pieces if not p.is_file]
-    offset = 0
+    offset, at = 0, {}
     for p in tensors:
         g, t = geometry(p, index), index.tensors[p.name]
+        if p.axis == 0 and p.name in IN_PLACE:
+            # Full shape, only rows [a, b) written (the rest is a hole that reads as zeros).
+            size = t.end - t.start
+            at[p.key] = offset + p.a * size // t.shape[0]
+            span = [offset, offset + size]
+            header[p.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": span}
+            offset += size
+            continue
         span = [offset, offset + g.size]
         header[p.name] = {"dtype": t.dtype, "shape": list(g.shape), "data_offsets": span}
         if p.axis is not None:
             slices[p.name] = {"axis": p.axis, "a": p.a, "b": p.b, "shape": list(t.shape)}
+        at[p.key] = offset
         offset += g.size
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-aligned
@@ -299,8 +310,8 @@ def _plan(directory: Path, index: ModelIndex, pieces: list[Piece]) -> _Shard:
                 raise FetchError(f"the source named a model file {name!r}; refusing to write it")
             offsets[p.key] = (name, 0)
         else:
-            offsets[p.key] = (WEIGHTS_FILE, len(head) + header[p.name]["data_offsets"][0])
-    return _Shard(directory, pieces, offsets, head, slices)
+            offsets[p.key] = (WEIGHTS_FILE, len(head) + at[p.key])
+    return _Shard(directory, pieces, offsets, head, slices, len(head) + offset)
 
 
 def _open(shard: _Shard) -> None:
@@ -323,6 +334,7 @@ def _open(shard: _Shard) -> None:
         shard.fds[name] = os.open(shard.directory / f"{name}.part", os.O_RDWR | os.O_CREAT, 0o644)
     if WEIGHTS_FILE in shard.fds:
         _pwrite(shard.fds[WEIGHTS_FILE], shard.header, 0)
+        os.ftruncate(shard.fds[WEIGHTS_FILE], shard.size)
     shard.fds["chunks.log"] = os.open(log_path, os.O_WRONLY | os.O_APPEND)
 
 

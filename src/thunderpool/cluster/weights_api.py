@@ -89,7 +89,8 @@ class Weights:
         shards = []
         for manifest in sorted(shards_root(self.cache_dir).glob(f"*/*/{SHARD_MANIFEST}")):
             d = manifest.parent
-            size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+            # Blocks, not apparent sizes: in-place vocabulary rows leave holes in the file.
+            size = sum(f.stat().st_blocks * 512 for f in d.iterdir() if f.is_file())
             shards.append({"model": d.parent.name, "key": d.name, "bytes": size, "path": str(d)})
         fetches = {i: f.progress.snapshot() for i, f in list(self.fetches.items())}
         live = [f.progress for f in self.fetches.values() if f.progress.state in _LIVE]
