@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_cluster_args(status)
     add_plan_parser(sub)
+    from thunderpool.cluster.cache_cli import add_cache_parser
+
+    add_cache_parser(sub)
     add_simulate_parser(sub)
     try:
         from thunderpool.cluster.doctor import add_doctor_parser
@@ -325,6 +328,10 @@ def _main(argv: list[str] | None) -> int:
                 from thunderpool.cluster.cli import status_main
 
                 return status_main(args)
+            case "cache":
+                from thunderpool.cluster.cache_cli import cache_main
+
+                return cache_main(args)
             case "plan":
                 from thunderpool.cluster.cli import plan_main
 

@@ -13,10 +13,12 @@ from fastapi.testclient import TestClient
 from thunderpool import __version__
 from thunderpool.cluster.agent import Agent, create_agent_app
 from thunderpool.cluster.auth import (
+    NONCE_HEADER,
     SIG_HEADER,
     TS_HEADER,
     AuthError,
     Identity,
+    NonceCache,
     load_identity,
     sign,
     verify,
@@ -73,16 +75,28 @@ def test_membership_and_links_follow_the_messages():
 
 def test_signatures_verify_and_refuse():
     body = b'{"x": 1}'
-    headers = sign("secret", body, ts=1000.0)
-    verify("secret", body, headers, now=1010.0)
-    with pytest.raises(AuthError, match="wrong cluster token"):
-        verify("other", body, headers, now=1010.0)
-    with pytest.raises(AuthError, match="wrong cluster token"):
-        verify("secret", b'{"x": 2}', headers, now=1010.0)
+    headers = sign("secret", "POST", "/v1/hello", body, ts=1000.0)
+    verify("secret", "POST", "/v1/hello", body, headers, now=1010.0)
+    for token, method, path, other in (
+        ("other", "POST", "/v1/hello", body),
+        ("secret", "POST", "/v1/hello", b'{"x": 2}'),
+        ("secret", "POST", "/v1/start", body),  # re-aimed at another path
+        ("secret", "GET", "/v1/hello", body),  # or another method
+        ("secret", "POST", "/v1/hello?x=1", body),  # or another query
+    ):
+        with pytest.raises(AuthError, match="wrong cluster token"):
+            verify(token, method, path, other, headers, now=1010.0)
     with pytest.raises(AuthError, match="stale"):
-        verify("secret", body, headers, now=2000.0)
+        verify("secret", "POST", "/v1/hello", body, headers, now=2000.0)
     with pytest.raises(AuthError, match="unsigned"):
-        verify("secret", body, {}, now=1000.0)
+        verify("secret", "POST", "/v1/hello", body, {}, now=1000.0)
+    forged = {**headers, NONCE_HEADER: "another-nonce"}
+    with pytest.raises(AuthError, match="wrong cluster token"):
+        verify("secret", "POST", "/v1/hello", body, forged, now=1010.0)
+    nonces = NonceCache()
+    verify("secret", "POST", "/v1/hello", body, headers, nonces, now=1010.0)
+    with pytest.raises(AuthError, match="replayed"):
+        verify("secret", "POST", "/v1/hello", body, headers, nonces, now=1011.0)
 
 
 def test_token_is_generated_once_then_reused(tmp_path, monkeypatch):
@@ -104,7 +118,7 @@ def agent_client():
 
 
 def post(client, path: str, body: bytes, token: str | None):
-    headers = sign(token, body) if token else {}
+    headers = sign(token, "POST", path, body) if token else {}
     return client.post(path, content=body, headers=headers)
 
 
@@ -141,10 +155,10 @@ def test_agent_refuses_stale_unsigned_and_forged_messages_once_each(agent_client
     client, agent = agent_client
     hello = Hello(node=node("b", "10.0.0.2")).model_dump_json().encode()
     cases = {
-        "stale control message": sign("secret", hello, ts=time.time() - 1000),
+        "stale control message": sign("secret", "POST", "/v1/hello", hello, ts=time.time() - 1000),
         "unsigned control message": {},
-        "bad timestamp 'soon'": {TS_HEADER: "soon", SIG_HEADER: "00"},
-        "wrong cluster token": sign("secret", b"{}"),  # a signature of another body
+        "bad timestamp 'soon'": {TS_HEADER: "soon", SIG_HEADER: "00", NONCE_HEADER: "n"},
+        "wrong cluster token": sign("secret", "POST", "/v1/hello", b"{}"),  # another body
     }
     for why, headers in cases.items():
         caplog.clear()
@@ -153,6 +167,22 @@ def test_agent_refuses_stale_unsigned_and_forged_messages_once_each(agent_client
         lines = [x.getMessage() for x in caplog.records if x.levelno >= logging.WARNING]
         assert lines == [f"refused a control message from testclient: {r.json()['detail']}"]
     assert "b" not in agent.state.nodes
+
+
+def test_a_captured_request_replayed_or_re_aimed_is_refused(agent_client):
+    client, agent = agent_client
+    hello = Hello(node=node("b", "10.0.0.2"), contact="10.0.0.2:7070").model_dump_json().encode()
+    headers = sign("secret", "POST", "/v1/hello", hello)
+    assert client.post("/v1/hello", content=hello, headers=headers).status_code == 200
+    r = client.post("/v1/hello", content=hello, headers=headers)  # verbatim, seconds later
+    assert r.status_code == 401 and r.json()["detail"].startswith("replayed"), r.text
+    fresh = sign("secret", "POST", "/v1/hello", hello)
+    r = client.post("/v1/start", content=hello, headers=fresh)  # same body, another path
+    assert r.status_code == 401 and "wrong cluster token" in r.json()["detail"]
+    state = sign("secret", "GET", "/v1/state")
+    assert client.get("/v1/state", headers=state).status_code == 200
+    other_query = sign("secret", "GET", "/v1/state")
+    assert client.get("/v1/state?x=1", headers=other_query).status_code == 401
 
 
 UNPICKLED: list[str] = []

@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from thunderpool import __version__
 from thunderpool.api.body import AGENT_LIMIT, BodyError, read_body
-from thunderpool.cluster.auth import AuthError, Identity, verify
+from thunderpool.cluster.auth import AuthError, Identity, NonceCache, verify
 from thunderpool.cluster.client import AgentClient, AgentError, AgentUnreachable
 from thunderpool.cluster.messages import (
     Hello,
@@ -29,18 +30,32 @@ from thunderpool.cluster.messages import (
 from thunderpool.cluster.probe import measure
 from thunderpool.cluster.ranks import RankManager
 from thunderpool.cluster.state import ClusterState, apply
+from thunderpool.cluster.weights_api import Weights, add_weight_routes
 
 log = logging.getLogger("thunderpool.agent")
 
 
 class Agent:
     def __init__(
-        self, identity: Identity, info: NodeInfo, contact: str, probe_port: int, ranks: RankManager
+        self,
+        identity: Identity,
+        info: NodeInfo,
+        contact: str,
+        probe_port: int,
+        ranks: RankManager,
+        cache_dir: Path | None = None,
     ):
+        from thunderpool.models.source import default_cache_dir
+
         self.identity, self.info, self.contact = identity, info, contact
         self.probe_port = probe_port
         self.ranks = ranks
+        # Serves this node's models to members and fetches the shards its ranks need.
+        self.weights = Weights(
+            identity.token, ranks.resolve_model, cache_dir or default_cache_dir()
+        )
         self.lock = threading.Lock()
+        self.nonces = NonceCache()
         self.state = apply(ClusterState(), Hello(node=info, contact=contact))
 
     def hello(self) -> Hello:
@@ -100,6 +115,13 @@ def _kind_of(info: NodeInfo, peer: str) -> str:
     return next((i.kind for i in info.interfaces if _same_subnet24(i.address, peer)), "other")
 
 
+def signed_path(request: Request) -> str:
+    """The path and query exactly as the client sent (and signed) them."""
+    path = request.scope.get("raw_path", request.url.path.encode()).decode("latin-1")
+    query = request.scope.get("query_string", b"").decode("latin-1")
+    return f"{path}?{query}" if query else path
+
+
 def create_agent_app(agent: Agent) -> FastAPI:
     app = FastAPI(title="thunderpool node", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -109,7 +131,14 @@ def create_agent_app(agent: Agent) -> FastAPI:
         except BodyError as e:
             raise HTTPException(e.status, e.message) from None
         try:
-            verify(agent.identity.token, body, request.headers)
+            verify(
+                agent.identity.token,
+                request.method,
+                signed_path(request),
+                body,
+                request.headers,
+                agent.nonces,
+            )
         except AuthError as e:
             log.warning("refused a control message from %s: %s", request.client.host, e)
             raise HTTPException(401, str(e)) from None
@@ -156,6 +185,7 @@ def create_agent_app(agent: Agent) -> FastAPI:
         agent.ranks.stop(msg.instance_id)
         return {"stopped": msg.instance_id}
 
+    add_weight_routes(app, agent.weights, signed)
     return app
 
 

@@ -1,7 +1,9 @@
 """The cluster token: generated on a node's first start, then required on every control message.
 
-Each request carries an HMAC-SHA256 of its timestamp and body under the token; a message
-without it, with a wrong one, or older than the replay window is refused.
+Each request carries an HMAC-SHA256 under the token of its method, path (with the query),
+timestamp, a random nonce and its body. A message without it, with a wrong one, older than the
+replay window, or whose nonce was already seen is refused, so a request captured on the LAN can
+neither be replayed nor re-aimed at another path.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import hashlib
 import hmac
 import json
 import secrets
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,6 +23,7 @@ from thunderpool.errors import ThunderpoolError
 
 SIG_HEADER = "X-Thunderpool-Signature"
 TS_HEADER = "X-Thunderpool-Timestamp"
+NONCE_HEADER = "X-Thunderpool-Nonce"
 WINDOW_S = 120.0
 
 
@@ -51,29 +55,78 @@ def load_identity(token: str | None = None, home: Path | None = None) -> Identit
     return Identity(node_id, chosen, created)
 
 
-def sign(token: str, body: bytes, ts: float | None = None) -> dict[str, str]:
+class NonceCache:
+    """Nonces seen within the replay window; older ones are refused by their timestamp."""
+
+    def __init__(self, window: float = WINDOW_S):
+        self.window = window
+        self._seen: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._next_prune = 0.0
+
+    def first_use(self, nonce: str, now: float) -> bool:
+        with self._lock:
+            # Pruned every few seconds, not per request: weights move hundreds of chunks a second.
+            if now >= self._next_prune:
+                cutoff = now - 2 * self.window
+                self._seen = {n: t for n, t in self._seen.items() if t > cutoff}
+                self._next_prune = now + 10.0
+            if nonce in self._seen:
+                return False
+            self._seen[nonce] = now
+            return True
+
+
+def _mac(token: str, method: str, path: str, ts: str, nonce: str, body: bytes) -> str:
+    head = "\n".join((method.upper(), path, ts, nonce)).encode()
+    return hmac.new(token.encode(), head + b"\n" + body, hashlib.sha256).hexdigest()
+
+
+def sign(
+    token: str,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    ts: float | None = None,
+    nonce: str | None = None,
+) -> dict[str, str]:
+    """Headers that sign one request; `path` includes the query string as sent."""
     ts_text = f"{time.time() if ts is None else ts:.3f}"
-    mac = hmac.new(token.encode(), ts_text.encode() + b"." + body, hashlib.sha256).hexdigest()
-    return {TS_HEADER: ts_text, SIG_HEADER: mac}
+    nonce = nonce or secrets.token_hex(16)
+    mac = _mac(token, method, path, ts_text, nonce, body)
+    return {TS_HEADER: ts_text, NONCE_HEADER: nonce, SIG_HEADER: mac}
 
 
-def verify(token: str, body: bytes, headers, now: float | None = None) -> None:
-    """Raise AuthError unless `headers` carry a fresh, valid signature of `body`."""
+def verify(
+    token: str,
+    method: str,
+    path: str,
+    body: bytes,
+    headers,
+    nonces: NonceCache | None = None,
+    now: float | None = None,
+) -> None:
+    """Raise AuthError unless `headers` carry a fresh, valid, unused signature of this request."""
     ts_text, mac = headers.get(TS_HEADER), headers.get(SIG_HEADER)
-    if not ts_text or not mac:
+    nonce = headers.get(NONCE_HEADER)
+    if not ts_text or not mac or not nonce:
         raise AuthError(
             f"unsigned control message; every node needs the cluster token "
-            f"(--token or ${TOKEN_ENV})"
+            f"(--token or ${TOKEN_ENV}) and the same thunderpool version"
         )
     try:
         ts = float(ts_text)
     except ValueError:
         raise AuthError(f"bad timestamp {ts_text!r}") from None
-    if abs((time.time() if now is None else now) - ts) > WINDOW_S:
+    now = time.time() if now is None else now
+    if abs(now - ts) > WINDOW_S:
         raise AuthError("stale control message (clocks more than 2 minutes apart?)")
-    want = hmac.new(token.encode(), ts_text.encode() + b"." + body, hashlib.sha256).hexdigest()
+    want = _mac(token, method, path, ts_text, nonce, body)
     if not hmac.compare_digest(want, mac):
         raise AuthError(
             f"wrong cluster token; pass the token printed by the first node "
             f"(--token or ${TOKEN_ENV})"
         )
+    # Checked after the MAC, so a forger cannot burn the nonces of real requests.
+    if nonces is not None and not nonces.first_use(nonce, now):
+        raise AuthError(f"replayed control message (nonce {nonce[:8]}... seen before)")

@@ -45,7 +45,8 @@ def measured_state(coord: Coordinator) -> ClusterState:
 
 
 def status_main(args: argparse.Namespace) -> int:
-    state = measured_state(coordinator(args))
+    coord = coordinator(args)
+    state = measured_state(coord)
     console = Console()
     nodes = Table(
         "node",
@@ -83,6 +84,9 @@ def status_main(args: argparse.Namespace) -> int:
         )
     console.print(nodes)
     console.print(links)
+    from thunderpool.cluster.cache_cli import shards_table
+
+    console.print(shards_table(coord, state))
     return 0
 
 
@@ -163,8 +167,12 @@ class ClusterPlanner:
     """
 
     def __init__(self, args: argparse.Namespace, make_job, timeout: float | None, console):
+        from thunderpool.cluster.cache_cli import FetchBars
+
         self.args, self.make_job, self.timeout, self.console = args, make_job, timeout, console
         self.coord = coordinator(args)
+        # Each round of weight-fetch progress goes to these (terminal bars; serve adds /health).
+        self.fetch_listeners = [FetchBars(console)]
 
     def __call__(self, first: bool) -> ClusterInstance:
         state, dead = self.coord.alive(self.coord.discover())
@@ -204,7 +212,13 @@ class ClusterPlanner:
         names = [state.nodes[n].name for n in plan.nodes]
         reason = _named(plan.reason, state)
         self.console.print(f"[dim]plan: {plan.kind} over {' > '.join(names)}: {reason}[/]")
-        return ClusterInstance(self.coord, state, list(plan.nodes), job, timeout=self.timeout)
+        return ClusterInstance(
+            self.coord, state, list(plan.nodes), job, timeout=self.timeout, on_fetch=self._fetched
+        )
+
+    def _fetched(self, fetches) -> None:
+        for listener in self.fetch_listeners:
+            listener(fetches)
 
     def _fits(self, p, kind: bool, count: bool) -> bool:
         args = self.args

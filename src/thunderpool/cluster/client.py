@@ -25,7 +25,7 @@ class AgentClient:
         self, method: str, path: str, body: BaseModel | None = None, timeout: float | None = None
     ) -> dict:
         data = body.model_dump_json().encode() if body is not None else b""
-        headers = {**sign(self.token, data), "Content-Type": "application/json"}
+        headers = {**sign(self.token, method, path, data), "Content-Type": "application/json"}
         url = f"http://{self.address}{path}"
         try:
             r = httpx.request(

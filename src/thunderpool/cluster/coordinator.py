@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from thunderpool.cluster.client import AgentClient, AgentError
+from thunderpool.cluster.fabric import place_weights
 from thunderpool.cluster.launch import RankEvent
 from thunderpool.cluster.messages import (
     Hello,
@@ -239,9 +240,11 @@ class ClusterInstance:
         order: list[str],
         job: RankJob,
         timeout: float | None = 600.0,
+        on_fetch=None,
     ):
         self.coordinator, self.state, self.order = coordinator, state, order
         self.job, self.timeout = job, timeout
+        self.on_fetch = on_fetch  # called with each round of weight-fetch progress
         self.instance_id = uuid.uuid4().hex[:10]
         self.nodes = sorted(set(order))
         self.leader_host = state.contacts[order[0]].rsplit(":", 1)[0]
@@ -271,6 +274,14 @@ class ClusterInstance:
         elif n > 1:
             files["MLX_HOSTFILE"] = ring_hostfile(self.state, self.order, port)
         self.backend = job.backend
+        # Nodes without the model first fetch their ranks' shards from one that has it.
+        shards = place_weights(
+            lambda node: self.coordinator.client(node, self.state),
+            self.state,
+            self.order,
+            job,
+            self.on_fetch,
+        )
         cpus = core_assignment(self.state, self.order)
         for node in self.nodes:
             specs = tuple(
@@ -278,7 +289,9 @@ class ClusterInstance:
                     instance_id=self.instance_id,
                     rank=r,
                     world_size=n,
-                    job=job.model_dump_json(),
+                    job=(
+                        job.model_copy(update={"model_dir": shards[r]}) if r in shards else job
+                    ).model_dump_json(),
                     files=files,
                     cpu=cpus.get(r),
                     env=env | {"THUNDERPOOL_NODE": node},

@@ -106,6 +106,11 @@ def read_config(model_dir: Path) -> dict:
         raise ModelError(f"{model_dir / 'config.json'} is not valid JSON: {e}") from e
 
 
+# Written last by cluster/transfer.py into a shard fetched over the fabric: the shard holds
+# only one rank's tensors, some of them pre-sliced rows or columns ("slices").
+SHARD_MANIFEST = "thunderpool-shard.json"
+
+
 def build_lazy(model_dir: Path) -> tuple[nn.Module, dict]:
     """The full model with lazily loaded (not yet read) weights."""
     config = read_config(model_dir)
@@ -114,7 +119,12 @@ def build_lazy(model_dir: Path) -> tuple[nn.Module, dict]:
         raise ModelError(f"{model_dir} has no model*.safetensors weight files")
     for f in files:
         check_safetensors(f)
+    manifest = model_dir / SHARD_MANIFEST
     try:
+        if manifest.is_file():
+            model, config = load_model(model_dir, lazy=True, strict=False)
+            _unslice(model, json.loads(manifest.read_text()).get("slices", {}), model_dir)
+            return model, config
         return load_model(model_dir, lazy=True, strict=True)
     except ValueError as e:
         if "not supported" in str(e):
@@ -126,6 +136,45 @@ def build_lazy(model_dir: Path) -> tuple[nn.Module, dict]:
         raise ModelError(f"cannot build the model in {model_dir}: {e}") from e
 
 
+def _unslice(model: nn.Module, slices: dict, model_dir: Path) -> None:
+    """Pad each pre-sliced tensor back to its full shape at its offset (lazily), so the usual
+    shard() cuts out exactly the rows or columns that were fetched."""
+    params = dict(tree_flatten(model.parameters()))
+    updates = []
+    for name, s in slices.items():
+        x = params.get(name)
+        full = tuple(s["shape"])
+        pads = [(0, 0)] * len(full)
+        pads[s["axis"]] = (s["a"], full[s["axis"]] - s["b"])
+        if (
+            x is None
+            or x.ndim != len(full)
+            or any(d + lo + hi != f for d, (lo, hi), f in zip(x.shape, pads, full, strict=True))
+        ):
+            raise ModelError(f"shard {model_dir} holds a slice of {name} this model cannot take")
+        updates.append((name, mx.pad(x, pads)))
+    model.load_weights(updates, strict=False)
+
+
+def unloaded_modules(model: nn.Module, model_dir: Path) -> dict[int, tuple[nn.Module, str]]:
+    """Modules of a partial shard whose weights it lacks (id -> (module, name)): a rank must
+    drop them all before evaluating, else it would compute with initial, not loaded, weights.
+    Holding the module keeps its id from being reused by a new one."""
+    if not (model_dir / SHARD_MANIFEST).is_file():
+        return {}
+    weights: dict = {}
+    for f in sorted(model_dir.glob("model*.safetensors")):
+        weights.update(mx.load(str(f)))  # lazy: names only, nothing is read
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    modules = dict(model.named_modules())
+    missing = {}
+    for name, _ in tree_flatten(model.parameters()):
+        if name not in weights and (owner := modules.get(name.rsplit(".", 1)[0])) is not None:
+            missing[id(owner)] = (owner, name)
+    return missing
+
+
 def load_shard(
     model_dir: Path,
     group: mx.distributed.Group,
@@ -135,6 +184,7 @@ def load_shard(
     """Build, cut or shard, and load this rank's part of the model."""
     start = time.perf_counter()
     model, config = build_lazy(model_dir)
+    unloaded = unloaded_modules(model, model_dir)
     n_layers = len(model.layers)
     bounds, stage, method = (0, n_layers), None, "single"
     if group.size() > 1 and layout.parallel == "pp":
@@ -146,6 +196,12 @@ def load_shard(
         method = tensor.shard(model, group, weights)
         # The vocabulary rows are read from the files: the full table never enters memory.
         vocab.split_vocab(model, group, weights, StoredRows.of(model_dir).rows)
+    for _, module in model.named_modules():
+        if unloaded.get(id(module), (None,))[0] is module:
+            raise ModelError(
+                f"shard {model_dir} lacks {unloaded[id(module)][1]}, which rank {group.rank()} "
+                "needs; it was fetched for another layout: remove it (`thunderpool cache rm`)"
+            )
     try:
         for i, layer in enumerate(model.layers):
             mx.eval(layer.parameters())

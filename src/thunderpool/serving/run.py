@@ -68,6 +68,10 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
     supervisor = Supervisor(gateway, plan, console, on_event=_print_loaded(console), view=view)
     url = _start_api(args, gateway, supervisor, api_key)
     console.print(f"API and dashboard at {url} (loading {name}); Ctrl-C stops every rank")
+    if args.cluster:
+        from thunderpool.cluster.cache_cli import health_listener
+
+        plan.fetch_listeners.append(health_listener(gateway))  # /health while weights move
     if members is not None:
         threading.Thread(target=_watch_members, args=(gateway, members), daemon=True).start()
     try:

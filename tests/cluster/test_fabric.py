@@ -1,0 +1,289 @@
+"""Weights over the fabric on loopback: two agents in this process, only one with the model.
+
+The other fetches exactly its rank's shard (TP: half of each split matrix; PP: its stage),
+every chunk checked against the source's hash, and the answer equals one local rank's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import uvicorn
+from conftest import run_trace, tiny_prompts
+from test_control_plane import node
+
+from thunderpool.cluster.agent import Agent, create_agent_app
+from thunderpool.cluster.auth import Identity, sign
+from thunderpool.cluster.coordinator import ClusterInstance, Coordinator
+from thunderpool.cluster.ranks import RankManager
+from thunderpool.cluster.shards import RankLayout, geometry, index_model, rank_pieces
+from thunderpool.cluster.source import ModelSource
+from thunderpool.cluster.transfer import encode
+from thunderpool.cluster.weights_api import RemoveShards
+from thunderpool.engine.job import RankJob, TraceTask
+from thunderpool.errors import ModelError
+from thunderpool.models.source import resolve_model
+
+TOKEN = "fabric-token"
+pytestmark = pytest.mark.timeout(600)
+
+
+@contextlib.contextmanager
+def serve(agent_for_port):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    agent = agent_for_port(port)
+    server = uvicorn.Server(uvicorn.Config(create_agent_app(agent), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        thread.join(0.01)
+    try:
+        yield agent, f"127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def hiding(hidden: Path):
+    """A node's resolver that cannot see under `hidden` (the models live on another node)."""
+
+    def resolve(model):
+        if model is not None and hidden.resolve() in (
+            Path(model).resolve(),
+            *Path(model).resolve().parents,
+        ):
+            raise ModelError(f"{model} is not on this node")
+        return resolve_model(model, progress=False)
+
+    return resolve
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_models, tmp_path_factory):
+    model = tiny_models["llama"]
+    caches = tmp_path_factory.mktemp("caches")
+
+    def make(node_id, resolve):
+        def build(port):
+            ranks = RankManager(resolve_model=resolve)
+            info = node(node_id, "127.0.0.1").model_copy(update={"port": port})
+            ident = Identity(node_id, TOKEN, False)
+            return Agent(ident, info, f"127.0.0.1:{port}", 0, ranks, caches / node_id)
+
+        return build
+
+    plain = lambda m: resolve_model(m, progress=False)  # noqa: E731
+    with serve(make("a", plain)) as (a, a_addr), serve(make("b", hiding(model.parent))) as (b, _):
+        b.join(a_addr)
+        yield model, a, b, Coordinator([a_addr], TOKEN)
+
+
+def launch(pair, parallel: str, out: Path, model: Path | None = None) -> list:
+    model, coord = model or pair[0], pair[3]
+    state = coord.discover()
+    task = TraceTask(prompts=tuple(map(tuple, tiny_prompts(2))), max_tokens=16, out=str(out))
+    job = RankJob(model_dir=str(model), world_size=2, parallel=parallel, task=task)
+    with ClusterInstance(coord, state, ["a", "b"], job, timeout=300) as inst:
+        return list(inst.events())
+
+
+def received(agent) -> int:
+    return agent.weights.cache()["received_bytes"]
+
+
+def loaded_bytes(events, rank: int) -> int:
+    return next(
+        e.event["param_bytes"] for e in events if e.event["kind"] == "loaded" and e.rank == rank
+    )
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])  # even (mlx-lm) and uneven (2+1 KV) splits
+def test_tp2_fetches_half_of_each_split_matrix_and_matches_one_rank(
+    pair, tiny_models, tmp_path, kind
+):
+    _, a, b, _ = pair
+    model = tiny_models[kind]
+    ref = run_trace(model, tmp_path / "ref.npz", 1, prompts=tiny_prompts(2), max_tokens=16)
+    before = received(b)
+    events = launch(pair, "tp", tmp_path / "tp.npz", model)
+    np.testing.assert_array_equal(np.load(tmp_path / "tp.npz")["tokens"], ref["tokens"])
+    got = received(b) - before
+    files = sum(p.stat().st_size for p in model.iterdir() if p.suffix == ".json")
+    whole = (model / "model.safetensors").stat().st_size
+    # Its shard (sliced layers and head, whole embedding) and config: no more, within 5%.
+    assert 0 < got <= (loaded_bytes(events, 1) + files) * 1.05, (got, loaded_bytes(events, 1))
+    assert got < 0.75 * whole
+    assert a.weights.source.served_bytes >= got
+    # The same plan again: nothing crosses the network.
+    again = received(b)
+    launch(pair, "tp", tmp_path / "tp2.npz", model)
+    assert received(b) == again
+    np.testing.assert_array_equal(np.load(tmp_path / "tp2.npz")["tokens"], ref["tokens"])
+
+
+def test_pp2_fetches_its_stage_and_reuses_what_the_tp_shard_holds(pair, tmp_path):
+    model, a, b, _ = pair
+    ref = run_trace(model, tmp_path / "ref.npz", 1, prompts=tiny_prompts(2), max_tokens=16)
+    tp = rank_pieces(index_model(model), RankLayout(rank=1, world=2, parallel="tp"))
+    before = received(b)
+    events = launch(pair, "pp", tmp_path / "pp.npz")
+    np.testing.assert_array_equal(np.load(tmp_path / "pp.npz")["tokens"], ref["tokens"])
+    index = index_model(model)
+    pp = rank_pieces(index, RankLayout(rank=1, world=2, parallel="pp"))
+    # Only the difference moves: pieces the TP shard already holds (norms, config) are copied.
+    new = sum(geometry(p, index).size for p in set(pp) - set(tp))
+    assert received(b) - before == new
+    assert received(b) - before <= loaded_bytes(events, 1) * 1.05
+    assert not any("embed_tokens" in p.name or p.name.startswith("lm_head") for p in pp)
+
+
+def test_a_flipped_byte_is_detected_refetched_and_never_loaded(pair, tmp_path, monkeypatch):
+    model, a, b, _ = pair
+    b.weights.remove(RemoveShards())
+    flipped = []
+    real = ModelSource.chunk
+
+    def flip_once(self, name, piece, k, chunk):
+        data = real(self, name, piece, k, chunk)
+        if not flipped and len(data) > 100:
+            flipped.append(piece.key)
+            data = data[:100] + bytes([data[100] ^ 0x01]) + data[101:]
+        return data
+
+    monkeypatch.setattr(ModelSource, "chunk", flip_once)
+    ref = run_trace(model, tmp_path / "ref.npz", 1, prompts=tiny_prompts(2), max_tokens=16)
+    launch(pair, "tp", tmp_path / "tp.npz")
+    assert flipped
+    fetches = b.weights.cache()["fetches"].values()
+    assert sum(f["corrupt_chunks"] for f in fetches) == 1
+    np.testing.assert_array_equal(np.load(tmp_path / "tp.npz")["tokens"], ref["tokens"])
+
+
+def test_weights_need_the_token_and_a_fresh_signature(pair):
+    import httpx
+
+    model, a, _, coord = pair
+    address = coord.discover().contacts["a"]
+    index = index_model(model)
+    piece = next(p for p in rank_pieces(index, RankLayout(rank=0, world=1)) if not p.is_file)
+    path = f"/v1/weights/chunk?m={encode(str(model))}&p={encode(piece.key)}&k=0"
+    url = f"http://{address}{path}"
+    served = a.weights.source.served_bytes
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers=sign("wrong", "GET", path)).status_code == 401
+    headers = sign(TOKEN, "GET", path)
+    ok = httpx.get(url, headers=headers)
+    assert ok.status_code == 200 and len(ok.content) == geometry(piece, index).size
+    replay = httpx.get(url, headers=headers)
+    assert replay.status_code == 401 and replay.content.startswith(b'{"detail":"replayed')
+    other = path.replace("k=0", "k=1")
+    assert (
+        httpx.get(f"http://{address}{other}", headers=sign(TOKEN, "GET", path)).status_code == 401
+    )
+    assert a.weights.source.served_bytes == served + len(ok.content)
+
+
+def test_cache_ls_and_rm_from_the_command_line(pair):
+    import subprocess
+    import sys
+
+    _, _, b, coord = pair
+    address = coord.discover().contacts["a"]
+    cli = [sys.executable, "-m", "thunderpool", "cache"]
+    flags = ["--join", address, "--token", TOKEN]
+    listed = subprocess.run([*cli, "ls", *flags], capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    shards = b.weights.cache()["shards"]
+    assert shards and all(s["key"] in listed.stdout for s in shards)
+    removed = subprocess.run(
+        [*cli, "rm", "--node", "b", *flags], capture_output=True, text=True, timeout=120
+    )
+    assert removed.returncode == 0, removed.stderr
+    assert f"removed {len(shards)} shard(s)" in removed.stdout
+    assert b.weights.cache()["shards"] == []
+
+
+def test_health_detail_names_each_fetching_node_in_the_dashboards_format():
+    import re
+
+    from thunderpool.cluster.cache_cli import health_listener
+    from thunderpool.cluster.fabric import NodeFetch
+
+    class Gateway:
+        state, progress, detail = "loading", 0.0, ""
+
+        def loading(self, progress, detail, state="loading"):
+            self.progress, self.detail, self.state = progress, detail, state
+
+    gw = Gateway()
+    snap = {"total_bytes": 4 << 20, "done_bytes": 1 << 20, "rate_Bps": 2 << 20, "eta_s": 1.5}
+    health_listener(gw)([NodeFetch("b", "mac-2", snap), NodeFetch("c", "mac-3", snap)])
+    assert gw.progress == 0.25 and gw.detail.startswith("fetching weights: ")
+    clause = re.compile(r"^(.*) ([\d.]+)/([\d.]+) MiB at ([\d.]+) MiB/s, ETA (.*)$")  # fetch.js
+    parsed = [clause.match(c).groups() for c in gw.detail[18:].split("; ")]
+    assert parsed == [(n, "1.0", "4.0", "2.0", "2 s") for n in ("mac-2", "mac-3")]
+
+
+def test_a_shard_in_many_chunks_holds_exactly_the_slices(pair, tmp_path):
+    """The receiver writes multi-chunk pieces at the right offsets (TP rank 1 of a 16 MB
+    model in 64 KiB chunks), and a fetch cut after some chunks resumes from them."""
+    from test_fabric_testbed import make_checkpoint
+
+    from thunderpool.cluster.shards import IN_PLACE, SHARD_MANIFEST
+    from thunderpool.cluster.transfer import ShardFetch, SourceClient
+
+    _, a, _, coord = pair
+    model = make_checkpoint(tmp_path / "m16")  # `a` resolves any path; nobody hides this one
+    layout = RankLayout(rank=1, world=2, parallel="tp")
+    client = SourceClient([coord.discover().contacts["a"]], TOKEN)
+
+    class Cut(Exception):
+        pass
+
+    calls = []
+    real_get = SourceClient.get
+
+    def cut_after_50_chunks(self, path, source=0):
+        if "/chunk?" in path:
+            calls.append(path)
+            if len(calls) == 50:
+                raise Cut()
+        return real_get(self, path, source)
+
+    first = ShardFetch(tmp_path / "cache", client, str(model), [layout], chunk=1 << 16, workers=1)
+    SourceClient.get = cut_after_50_chunks
+    try:
+        with pytest.raises(Cut):
+            first.run()
+    finally:
+        SourceClient.get = real_get
+    assert 0 < first.progress.received_bytes < first.progress.total_bytes
+    again = ShardFetch(tmp_path / "cache", client, str(model), [layout], chunk=1 << 16)
+    shard = again.run()[1]
+    total = again.progress.total_bytes
+    assert again.progress.received_bytes == total - first.progress.received_bytes  # resumed
+    assert (shard / SHARD_MANIFEST).is_file()
+    full = {k: np.array(v) for k, v in mx.load(str(model / "model.safetensors")).items()}
+    got = {k: np.array(v) for k, v in mx.load(str(shard / "model.safetensors")).items()}
+    index = index_model(model)
+    for piece in rank_pieces(index, layout):
+        if piece.is_file:
+            continue
+        want, mine = full[piece.name], got[piece.name]
+        if piece.axis is not None:
+            want = np.take(want, range(piece.a, piece.b), axis=piece.axis)
+        if piece.name in IN_PLACE and piece.axis == 0:  # full shape, its rows in place
+            assert mine.shape == full[piece.name].shape
+            mine = mine[piece.a : piece.b]
+        np.testing.assert_array_equal(mine, want, err_msg=piece.key)
+    on_disk = (shard / "model.safetensors").stat().st_blocks * 512
+    assert on_disk < 0.6 * (model / "model.safetensors").stat().st_size
