@@ -2,7 +2,8 @@
 
 Reference: mlx-lm's own model, one process, full forward of the whole sequence at every step
 (no KV cache). Expected: identical greedy tokens over 32 steps and fp32 logits within
-atol=rtol=1e-4 (measured differences are ~1e-5, from the different summation order), with a
+atol=rtol=1e-4 (measured differences are ~1e-5, from the different summation order; 5e-4 for
+qwen3_next, whose cached recurrence differs from the full form on one rank already), with a
 300-token prompt, far longer than the sliding window of the windowed families, prefilled in
 128-token chunks. The batched cell runs continuous batching (staggered arrivals, rows joining
 and leaving) on PP2 and expects the same tokens. Transformers, on the same weights, checks
@@ -26,7 +27,6 @@ from thunderpool.errors import ShardingError
 from thunderpool.parallel.pipeline import split_layers
 
 STEPS = 32
-TOL = 1e-4
 HF_TOL = 2e-4  # transformers (torch fp32) against mlx-lm (mlx fp32): measured <= 3e-5
 PROMPTS = family_prompts()
 LAYOUTS = {"tp2": ("tp", 2), "tp3": ("tp", 3), "pp2": ("pp", 2), "pp3": ("pp", 3)}
@@ -129,8 +129,9 @@ def test_single_rank_engine_matches_full_forward(kind, family_dirs, references, 
         prefill_chunk=128,
     )
     tokens, logits, _ = references[kind]
+    tol = FAMILIES[kind].tol
     np.testing.assert_array_equal(got["tokens"], tokens)
-    np.testing.assert_allclose(got["logits"], logits, atol=TOL, rtol=TOL)
+    np.testing.assert_allclose(got["logits"], logits, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("kind,layout", CELLS, ids=[f"{k}-{lay}" for k, lay in CELLS])
@@ -144,7 +145,7 @@ def test_sharded_matches_unsharded(kind, layout, family_dirs, references, tmp_pa
         return
     if layout == "batch":
         got = run_batch(batch_spec(family_dirs[kind], family.pp2), len(family.pp2), tmp_path)
-        assert [o["tokens"] for o in got["out"]] == tokens.tolist()
+        assert [o["tokens"] for o in got["out"]] == [*tokens.tolist(), tokens[0].tolist()]
         assert got["left"] == [[], True, 0]  # every row left the batch
         return
     parallel, nodes = LAYOUTS[layout]
@@ -161,7 +162,7 @@ def test_sharded_matches_unsharded(kind, layout, family_dirs, references, tmp_pa
         layer_split=split,
     )
     np.testing.assert_array_equal(got["tokens"], tokens)
-    np.testing.assert_allclose(got["logits"], logits, atol=TOL, rtol=TOL)
+    np.testing.assert_allclose(got["logits"], logits, atol=family.tol, rtol=family.tol)
     loaded = sorted(
         (e.event for e in got["events"] if e.event["kind"] == "loaded"), key=lambda e: e["rank"]
     )
@@ -179,9 +180,10 @@ def test_sharded_matches_unsharded(kind, layout, family_dirs, references, tmp_pa
 
 
 def batch_spec(model_dir, split) -> dict:
-    """The three prompts greedily, the second and third joining a running batch."""
+    """The prompts greedily, then the first again: the second and third join a running batch
+    (rows of different lengths, left-padded) and leave it at different steps."""
     greedy = {"temperature": 0.0, "max_tokens": STEPS}
-    requests = [{"prompt": p, "params": greedy} for p in PROMPTS]
+    requests = [{"prompt": p, "params": greedy} for p in [*PROMPTS, PROMPTS[0]]]
     requests[1]["after"], requests[2]["after"] = [0, 3], [1, 5]
     return {
         "model": str(model_dir),
