@@ -3,11 +3,17 @@
 Rank 0 holds the embedding, its layers and the output head; the last rank holds the final norm.
 A forward runs recv -> local layers -> send around the ring: 0 -> 1 -> ... -> N-1 -> 0, so the
 logits end up on the leader (rank 0).
+
+A stage runs the model's own forward over the WHOLE layer list, so masks, cache types and
+layer indices are those of the whole model (Gemma 3's sliding/global pattern, gpt-oss's
+alternating windows, Qwen3-Next's linear layers). Layers of other stages are weightless
+pass-throughs whose caches advance by zero-size keys (offsets move, nothing is held); the
+layer just before the stage hands in the received hidden state, so whatever the embedding
+path computed (a zeros stand-in on later stages, then e.g. Gemma's sqrt(hidden) scaling) is
+discarded rather than relied upon.
 """
 
 from __future__ import annotations
-
-import inspect
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -48,6 +54,37 @@ class _Identity(nn.Module):
         return x
 
 
+class _ZeroEmbedding(nn.Module):
+    """Stands in for the embedding on later stages: no weights read, its output discarded."""
+
+    def __init__(self, hidden: int, dtype: mx.Dtype):
+        super().__init__()
+        self.hidden, self.dtype = hidden, dtype
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        return mx.zeros((*tokens.shape, self.hidden), self.dtype)
+
+
+class _Skip(nn.Module):
+    """Another stage's layer: returns its input, or the received hidden state on the layer
+    just before this stage. Keeps the layer's plain attributes (use_sliding, is_linear, ...)
+    that model forwards read to pick a mask."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        for name, value in vars(layer).items():
+            if not name.startswith("_") and isinstance(value, bool | int | float | str):
+                setattr(self, name, value)
+        self.hand(None)
+
+    def hand(self, h: mx.array | None) -> None:
+        # A plain attribute, not a module entry: an array set on a Module becomes a parameter.
+        object.__setattr__(self, "received", h)
+
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        return x if self.received is None else self.received
+
+
 class PipelineStage:
     """Cuts `model` to this rank's stage and runs the stage's part of a forward."""
 
@@ -55,40 +92,49 @@ class PipelineStage:
         self, model: nn.Module, group: mx.distributed.Group, bounds: list[tuple[int, int]]
     ):
         inner = getattr(model, "model", None)
-        if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
+        missing = [n for n in ("layers", "embed_tokens", "norm") if not hasattr(inner, n)]
+        if inner is None or missing:
             raise ShardingError(
-                f"{type(model).__module__} has no model.layers/embed_tokens; pipeline "
-                "parallelism needs an mlx-lm model with a layers list"
-            )
-        if "input_embeddings" not in inspect.signature(inner.__call__).parameters:
-            raise ShardingError(
-                f"{type(inner).__name__} does not accept input_embeddings, which pipeline "
-                "stages after the first need; use --parallel tp for this model"
+                f"{type(model).__module__} has no model.layers/embed_tokens/norm; pipeline "
+                "parallelism needs an mlx-lm model with a layers list; use --parallel tp"
             )
         self.model, self.inner, self.group = model, inner, group
         self.rank, self.size = group.rank(), group.size()
         self.bounds = bounds
-        start, end = bounds[self.rank]
-        # Dropping modules before any weight is evaluated means they are never read from disk.
-        inner.layers = inner.layers[start:end]
+        self.start, self.end = bounds[self.rank]
+        layers = inner.layers
+        if len(layers) != bounds[-1][1]:
+            raise ShardingError(f"stages {bounds} do not cover the {len(layers)} layers")
+        self.hidden = model.args.hidden_size
+        self.dtype = _float_dtype(layers[self.start])
+        # Replacing modules before any weight is evaluated means they are never read from disk.
+        self.local = range(self.start, self.end)
+        inner.layers = [
+            layer if i in self.local else _Skip(layer) for i, layer in enumerate(layers)
+        ]
+        self.handoff = inner.layers[self.start - 1] if self.start > 0 else None
         if self.rank != 0:
-            inner.embed_tokens = None
+            inner.embed_tokens = _ZeroEmbedding(self.hidden, self.dtype)
             if hasattr(model, "lm_head"):
                 model.lm_head = None
         if self.rank != self.size - 1:
             inner.norm = _Identity()
-        self.hidden = model.args.hidden_size
-        self.dtype = _float_dtype(inner.layers[0])
 
     def forward(self, tokens: mx.array, cache: list) -> mx.array | None:
         """Runs this stage; returns the final hidden state of the last position on rank 0."""
         B, L = tokens.shape
-        embeddings = None
-        if self.rank > 0:
-            embeddings = mx.distributed.recv(
-                (B, L, self.hidden), self.dtype, self.rank - 1, group=self.group
+        if self.handoff is not None:
+            self.handoff.hand(
+                mx.distributed.recv(
+                    (B, L, self.hidden), self.dtype, self.rank - 1, group=self.group
+                )
             )
-        h = self.inner(tokens, cache=cache, input_embeddings=embeddings)
+        try:
+            h = self.inner(tokens, cache=cache)
+        finally:
+            if self.handoff is not None:
+                self.handoff.hand(None)
+        _advance_others(cache, self.local, B, L, self.dtype)
         if self.size == 1:
             return h[:, -1:, :]
         if self.rank < self.size - 1:
@@ -101,6 +147,17 @@ class PipelineStage:
                 (B, 1, self.hidden), self.dtype, self.size - 1, group=self.group
             )
         return None
+
+
+def _advance_others(cache: list, local: range, B: int, L: int, dtype: mx.Dtype) -> None:
+    """Move the caches of other stages' layers on by L tokens, as their layers would have:
+    keys of zero heads and zero width keep offsets, rotation and batch padding exact (so
+    masks built from any layer's cache are right) and hold no memory. Recurrent state
+    caches (ArraysCache) carry no position and stay empty."""
+    empty = mx.zeros((B, 0, L, 0), dtype)
+    for i, c in enumerate(cache):
+        if i not in local and hasattr(c, "update_and_fetch"):
+            c.update_and_fetch(empty, empty)
 
 
 def _float_dtype(module: nn.Module) -> mx.Dtype:

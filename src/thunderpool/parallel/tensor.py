@@ -3,6 +3,10 @@
 Even splits use mlx-lm's own `Model.shard()`. Uneven splits (head counts that do not divide,
 speed-weighted shares, more ranks than KV heads) slice the projections here. Column-sliced
 projections all_sum their partial products, so every layer costs two all-reduces.
+
+Families whose layers this module cannot slice (MLA, attention sinks: even splits through
+mlx-lm only; fused projections, linear attention: none) are refused by `check` and `shard`
+with a message naming the family, the layout and what works (tests/parallel/test_families.py).
 """
 
 from __future__ import annotations
@@ -151,21 +155,35 @@ def _align(*modules: nn.Module) -> int:
     return max(steps, default=1)
 
 
+# How families name their head counts: llama/qwen/gemma, mixtral, gpt-oss.
+HEAD_NAMES = (
+    ("n_heads", "n_kv_heads"),
+    ("num_heads", "num_key_value_heads"),
+    ("num_attention_heads", "num_key_value_heads"),
+)
+
+
+def _head_names(attn: nn.Module) -> tuple[str, str] | None:
+    return next((n for n in HEAD_NAMES if hasattr(attn, n[0]) and hasattr(attn, n[1])), None)
+
+
 def shard_attention(attn: nn.Module, share: HeadShare, group: mx.distributed.Group) -> None:
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "n_heads", "n_kv_heads"):
-        if not hasattr(attn, name):
+    names = _head_names(attn)
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if not hasattr(attn, name) or names is None:
             raise ShardingError(
-                f"attention module {type(attn).__name__} has no '{name}'; tensor parallelism "
-                "needs standard q/k/v/o projections; use --parallel pp for this model"
+                f"attention module {type(attn).__name__} has no '{name}' or head counts; tensor "
+                "parallelism needs standard q/k/v/o projections; use --parallel pp for this model"
             )
-    head_dim = attn.q_proj.weight.shape[-2] // attn.n_heads
+    q_name, kv_name = names
+    head_dim = attn.q_proj.weight.shape[-2] // getattr(attn, q_name)
     slice_rows(attn.q_proj, share.q0 * head_dim, share.q1 * head_dim)
     slice_rows(attn.k_proj, share.kv0 * head_dim, share.kv1 * head_dim)
     slice_rows(attn.v_proj, share.kv0 * head_dim, share.kv1 * head_dim)
     slice_cols(attn.o_proj, share.q0 * head_dim, share.q1 * head_dim)
     attn.o_proj = SumAfter(attn.o_proj, group)
-    attn.n_heads = share.q1 - share.q0
-    attn.n_kv_heads = share.kv1 - share.kv0
+    setattr(attn, q_name, share.q1 - share.q0)
+    setattr(attn, kv_name, share.kv1 - share.kv0)
 
 
 def shard_mlp(mlp: nn.Module, weights: list[float], rank: int, group) -> None:
@@ -177,6 +195,11 @@ def shard_mlp(mlp: nn.Module, weights: list[float], rank: int, group) -> None:
             )
         experts = mlp.switch_mlp
         _shard_glu(experts.gate_proj, experts.up_proj, experts.down_proj, weights, rank)
+        # Shared experts add into the routed output before the block's all_sum: split them too.
+        for name in ("shared_experts", "shared_expert"):
+            if hasattr(mlp, name):
+                shared = getattr(mlp, name)
+                _shard_glu(shared.gate_proj, shared.up_proj, shared.down_proj, weights, rank)
         mlp.sharding_group = group
         return
     for name in ("gate_proj", "up_proj", "down_proj"):
@@ -197,18 +220,79 @@ def _shard_glu(gate, up, down, weights: list[float], rank: int) -> None:
     slice_cols(down, a, b)
 
 
+def _mlp_of(layer: nn.Module) -> nn.Module:
+    """The feed-forward block of a layer (Mixtral calls its MoE block_sparse_moe)."""
+    return layer["mlp"] if "mlp" in layer else layer["block_sparse_moe"]
+
+
+def _family(model: nn.Module) -> str:
+    args = getattr(model, "args", None) or getattr(model, "config", None)
+    return getattr(args, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1]
+
+
+def _heads(attn: nn.Module) -> tuple[int, int]:
+    """(query heads, KV heads); MLA attention (num_heads only) has as many KV heads."""
+    names = _head_names(attn)
+    if names is not None:
+        return getattr(attn, names[0]), getattr(attn, names[1])
+    heads = getattr(attn, "num_heads", 0)
+    return heads, heads
+
+
+def _even_only(model: nn.Module) -> str | None:
+    """Why only mlx-lm's own even shard() can split this model, or None where our uneven
+    slicing can too."""
+    attn = model.layers[0].self_attn
+    if hasattr(attn, "kv_a_proj_with_mqa"):
+        return "MLA attention"
+    if hasattr(attn, "sinks"):
+        return "attention sinks"
+    if _head_names(attn) is None:
+        return "non-standard attention"
+    return None
+
+
+def _refusal(model: nn.Module, n: int, weights: list[float]) -> str | None:
+    """Why `model` cannot be split over n ranks with these weights at all, or None."""
+    family, layers = _family(model), model.layers
+    if not all(hasattr(layer, "self_attn") for layer in layers):
+        return (
+            f"{family}: tensor parallelism (tp={n}) cannot split its linear-attention layers; "
+            "use --parallel pp (pipeline parallelism) for this model"
+        )
+    first = layers[0]
+    if hasattr(first.self_attn, "qkv_proj") or hasattr(_mlp_of(first), "gate_up_proj"):
+        return (
+            f"{family}: tensor parallelism (tp={n}) cannot split its fused qkv_proj/gate_up_proj "
+            "projections; use --parallel pp (pipeline parallelism) for this model"
+        )
+    why = _even_only(model)
+    if why is None or _even(model, n, weights):
+        return None
+    heads = _heads(first.self_attn)[0]
+    ok = [d for d in range(2, heads + 1) if _even(model, d, [1.0] * d)]
+    return (
+        f"{family} ({why}) splits only into equal shares that divide its {heads} heads and "
+        f"every MLP: tp={n} with weights {weights} cannot; use tp in {ok or '(none)'} with "
+        "equal weights, or --parallel pp"
+    )
+
+
 def _even(model: nn.Module, n: int, weights: list[float]) -> bool:
     """True where mlx-lm's own shard() applies: equal shares that divide every split dimension."""
     if len(set(weights)) > 1 or not hasattr(model, "shard"):
         return False
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if getattr(attn, "n_heads", 1) % n or getattr(attn, "n_kv_heads", 1) % n:
+        heads, kv = _heads(layer.self_attn)
+        if not heads or heads % n or kv % n:
             return False
-        experts = getattr(mlp, "switch_mlp", mlp)
-        gate = getattr(experts, "gate_proj", None)
-        if gate is None or gate.weight.shape[-2] % (n * _align(gate)):
-            return False
+        mlp = _mlp_of(layer)
+        blocks = [getattr(mlp, "switch_mlp", None) or getattr(mlp, "experts", None) or mlp]
+        blocks += [getattr(mlp, s) for s in ("shared_experts", "shared_expert") if s in mlp]
+        for block in blocks:
+            gate = getattr(block, "gate_proj", None)
+            if gate is None or gate.weight.shape[-2] % (n * _align(gate)):
+                return False
     return True
 
 
@@ -217,35 +301,35 @@ def check(model: nn.Module, n: int, weights: list[float] | None = None) -> None:
     weights = list(weights or [1.0] * n)
     if len(weights) != n:
         raise ShardingError(f"--tp-weights has {len(weights)} parts for {n} ranks")
+    if n == 1:
+        return
+    if (why := _refusal(model, n, weights)) is not None:
+        raise ShardingError(why)
     if _even(model, n, weights):
         return
-    attn = model.layers[0].self_attn
-    if not hasattr(attn, "n_heads") or not hasattr(attn, "n_kv_heads"):
-        raise ShardingError(
-            f"{type(model).__module__} has no standard attention; use --parallel pp for this model"
-        )
-    split_heads(attn.n_heads, attn.n_kv_heads, weights)
+    split_heads(*_heads(model.layers[0].self_attn), weights)
 
 
 def shard(model: nn.Module, group: mx.distributed.Group, weights: list[float] | None = None) -> str:
     """Shard `model` in place for this rank of `group`; returns which method was used."""
     n, rank = group.size(), group.rank()
     weights = list(weights or [1.0] * n)
-    if len(weights) != n:
-        raise ShardingError(f"--tp-weights has {len(weights)} parts for {n} ranks")
+    check(model, n, weights)
     if n == 1:
         return "none"
     if _even(model, n, weights):
         model.shard(group)
         return "mlx-lm"
-    layers = model.layers
-    first = layers[0].self_attn
-    if not hasattr(first, "n_heads"):
-        raise ShardingError(
-            f"{type(model).__module__} has no standard attention; use --parallel pp for this model"
-        )
-    shares = split_heads(first.n_heads, first.n_kv_heads, weights)
-    for layer in layers:
+    shares = split_heads(*_heads(model.layers[0].self_attn), weights)
+    for layer in model.layers:
         shard_attention(layer.self_attn, shares[rank], group)
-        shard_mlp(layer.mlp, weights, rank, group)
+        if "mlp" in layer:
+            shard_mlp(layer.mlp, weights, rank, group)
+        else:
+            # A MoE block that cannot all_sum itself (Mixtral): split its experts' channels
+            # and sum the whole block's partial output.
+            moe = layer.block_sparse_moe
+            experts = moe.switch_mlp
+            _shard_glu(experts.gate_proj, experts.up_proj, experts.down_proj, weights, rank)
+            layer.block_sparse_moe = SumAfter(moe, group)
     return "uneven"
