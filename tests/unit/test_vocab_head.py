@@ -3,7 +3,7 @@
 HeadRows of a plain or quantized head (or tied embedding) must give exactly the matching
 columns of the whole head's logits; SplitEmbedding lookups of every rank's rows, summed as the
 all_sum would, must give exactly the whole embedding's vectors. The collectives themselves are
-checked on real ranks in tests/parallel/test_equivalence.py (uneven shares: 256 rows over 3
+checked on real ranks in tests/parallel/test_family_matrix.py (uneven shares: 256 rows over 3
 ranks) and tests/parallel/test_vocab_memory.py."""
 
 from __future__ import annotations
