@@ -26,9 +26,9 @@ from thunderpool.cluster.auth import AuthError, Identity
 from thunderpool.cluster.client import AgentClient
 from thunderpool.cluster.probe import ProbeServer, measure
 from thunderpool.cluster.ranks import RankManager
+from thunderpool.engine import link
+from thunderpool.engine.link_server import LeaderServer
 from thunderpool.engine.service import Delta
-from thunderpool.serving import link
-from thunderpool.serving.leader import LeaderServer
 
 TOKEN = "garbage-test-token"
 WAIT_S = 10.0  # a hang guard for every wait below, never a timing

@@ -1,6 +1,6 @@
-"""The KV caches of one rank under continuous batching, changed only by the leader's commands.
+"""The KV caches of one rank under continuous batching, changed only by the leader's plans.
 
-Every rank applies the same `prefill` and `step` commands in the same order, so the batch rows
+Every rank applies the same plans (executor.py) in the same order, so the batch rows
 line up on every rank without ever shipping a cache. Prefill runs per sequence (B=1); the
 finished prefix cache then joins the decoding batch, which is left-padded (mlx-lm BatchKVCache).
 """
@@ -42,37 +42,29 @@ class BatchState:
         cache = self.pending.setdefault(sid, self.runner.make_cache())
         return self.runner.forward(mx.array([tokens]), cache)
 
-    def step(self, drop: list[int], join: list[int], tokens: list[int]) -> mx.array | None:
-        """Drop finished rows, join prefilled sequences, then decode one token for every row."""
-        self._drop(set(drop))
-        for sid in join:
-            self._join(sid)
-        if not tokens:
-            return None
-        if len(tokens) != len(self.rows):
-            raise RuntimeError(f"{len(tokens)} tokens for {len(self.rows)} batch rows")
-        return self.decode(mx.array(tokens))
-
     def decode(self, tokens: mx.array) -> mx.array | None:
         """One decode step of every row on tokens (B,), lazily (a burst step feeds the
         exchanged tokens, so the forward waits on the exchange on every rank)."""
         return self.runner.forward(tokens[:, None], self.batch)
 
-    def _drop(self, drop: set[int]) -> None:
+    def drop(self, drop: set[int]) -> list[int] | None:
+        """Frees the rows and prefills in `drop`; returns the kept rows' indices (None: no row
+        left the batch)."""
         for sid in drop:
             self.pending.pop(sid, None)
         keep = [i for i, sid in enumerate(self.rows) if sid not in drop]
         if len(keep) == len(self.rows):
-            return
+            return None
         if not keep:
             self.batch, self.rows = None, []
-            return
+            return keep
         index = mx.array(keep)
         for cache in self.batch:
             cache.filter(index)
         self.rows = [self.rows[i] for i in keep]
+        return keep
 
-    def _join(self, sid: int) -> None:
+    def join(self, sid: int) -> None:
         merged = [c.merge([c]) for c in self.pending.pop(sid)]
         if self.batch is None:
             self.batch = merged

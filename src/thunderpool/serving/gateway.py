@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from thunderpool.engine import link
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.service import Delta, EngineInfo, EngineStatus
-from thunderpool.serving import link
 
 CONNECT_TIMEOUT_S = 10.0
 log = logging.getLogger("thunderpool.gateway")

@@ -15,9 +15,9 @@ from typing import Protocol
 
 from rich.console import Console
 
+from thunderpool.engine.link import FrameError
 from thunderpool.errors import LaunchError, ThunderpoolError
 from thunderpool.serving.gateway import Gateway
-from thunderpool.serving.link import FrameError
 
 RETRY_S = 2.0  # between attempts to plan when the model fits nowhere
 MAX_START_FAILURES = 3  # instances in a row that die before serving: give up

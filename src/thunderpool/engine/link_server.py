@@ -15,10 +15,9 @@ import threading
 import time
 from collections.abc import Callable
 
+from thunderpool.engine import link
 from thunderpool.engine.sampling import SamplingParams
-from thunderpool.engine.scheduler import Scheduler
 from thunderpool.engine.service import Delta
-from thunderpool.serving import link
 
 METRICS_EVERY_S = 1.0
 log = logging.getLogger("thunderpool.link")
@@ -122,7 +121,7 @@ class LeaderServer(socketserver.ThreadingTCPServer):
         self,
         host: str,
         token: str,
-        scheduler: Scheduler,
+        scheduler,  # submit(prompt, params, emit) and cancel(id): sequence.TextRequests
         cluster: dict,
         max_context: int,
         metrics: Callable[[], dict[str, float]],
