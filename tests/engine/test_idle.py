@@ -1,6 +1,6 @@
-"""Idle ranks sleep: an idle `serve --nodes 2` (ring, the backend that busy-polls inside its
-collectives) uses almost no CPU on either rank, and the first answer after a long idle equals
-the unsharded model's greedy answer.
+"""Idle ranks sleep: an idle `serve --nodes 2` (ring, whose collectives busy-poll, and MPI)
+uses almost no CPU on either rank, and the first answer after a long idle equals the unsharded
+model's greedy answer.
 
 CPU is read from /proc/<pid>/stat (user + system time of each rank) over an idle window: CPU
 time, not wall timing. The bound is generous (10% of a core); the printed figure is the real
@@ -10,6 +10,7 @@ one (the target is <= 2%).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -49,12 +50,14 @@ def reference_text(model: Path) -> str:
     return tokenizer.decode(out)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_chat, tmp_path_factory):
+@pytest.fixture(scope="module", params=["ring", "mpi"])
+def server(request, tiny_chat, tmp_path_factory):
+    if request.param == "mpi" and shutil.which("mpirun") is None:
+        pytest.skip("Open MPI is not installed")
     port = free_port()
     log = tmp_path_factory.mktemp("idle") / "serve.log"
     cmd = [sys.executable, "-m", "thunderpool", "serve", "--model", str(tiny_chat)]
-    cmd += ["--nodes", "2", "--parallel", "tp", "--backend", "ring", "--port", str(port)]
+    cmd += ["--nodes", "2", "--parallel", "tp", "--backend", request.param, "--port", str(port)]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"), start_new_session=True
     )
@@ -105,7 +108,7 @@ def test_idle_ranks_sleep_and_the_first_answer_after_matches(server, tiny_chat):
     url, proc = server
     expected = reference_text(tiny_chat)
     assert complete(url) == expected  # the ranks have run, then park
-    ranks = sorted(workers_under(proc.pid))
+    ranks = sorted(workers_under(proc.pid, deep=True))
     assert len(ranks) == 2
     time.sleep(1.0)
     before = [cpu_seconds(p) for p in ranks]

@@ -3,6 +3,8 @@
 Every rank applies the same plans (executor.py) in the same order, so the batch rows
 line up on every rank without ever shipping a cache. Prefill runs per sequence (B=1); the
 finished prefix cache then joins the decoding batch, which is left-padded (mlx-lm BatchKVCache).
+A lone row decodes on its own prefix cache (no padding mask, as mlx-lm's generate); it becomes
+a batch cache when a second row joins.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class BatchState:
     def __init__(self, runner: Runner):
         self.runner = runner
         self.pending: dict[int, list] = {}  # sequence id -> per-layer caches being prefilled
-        self.batch: list | None = None  # per-layer batch caches of the decoding rows
+        self.batch: list | None = None  # per-layer caches of the decoding rows
+        self.lone = False  # self.batch is one row's own prefix cache, not a batch cache
         self.rows: list[int] = []  # sequence id of each batch row
 
     def prefill(self, sid: int, tokens: list[int]) -> mx.array | None:
@@ -56,7 +59,7 @@ class BatchState:
         if len(keep) == len(self.rows):
             return None
         if not keep:
-            self.batch, self.rows = None, []
+            self.batch, self.rows, self.lone = None, [], False
             return keep
         index = mx.array(keep)
         for cache in self.batch:
@@ -65,10 +68,12 @@ class BatchState:
         return keep
 
     def join(self, sid: int) -> None:
-        merged = [c.merge([c]) for c in self.pending.pop(sid)]
+        caches = self.pending.pop(sid)
         if self.batch is None:
-            self.batch = merged
+            self.batch, self.lone = caches, True
         else:
-            for cache, new in zip(self.batch, merged, strict=True):
-                cache.extend(new)
+            if self.lone:
+                self.batch, self.lone = [c.merge([c]) for c in self.batch], False
+            for cache, new in zip(self.batch, caches, strict=True):
+                cache.extend(new.merge([new]))
         self.rows.append(sid)

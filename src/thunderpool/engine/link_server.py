@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 
 from thunderpool.engine import link
-from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.service import Delta
 
 METRICS_EVERY_S = 1.0
@@ -60,35 +59,13 @@ class _Connection(socketserver.BaseRequestHandler):
             return
         if not isinstance(msg, link.Submit):
             return
-        try:
-            params = SamplingParams(
-                max_tokens=msg.max_tokens,
-                temperature=msg.temperature,
-                top_p=msg.top_p,
-                top_k=msg.top_k,
-                seed=msg.seed,
-                stop=tuple(msg.stop),
-            )
-        except ValueError as e:
-            out.put(link.DeltaMsg(id=msg.id, text="", finish_reason="error", error=str(e)))
-            return
 
         def emit(d: Delta, rid: int = msg.id) -> None:
             if d.finish_reason is not None:
                 sids.pop(rid, None)
-            out.put(
-                link.DeltaMsg(
-                    id=rid,
-                    text=d.text,
-                    finish_reason=d.finish_reason,
-                    prompt_tokens=d.prompt_tokens,
-                    completion_tokens=d.completion_tokens,
-                    error=d.error,
-                    tokens=list(d.tokens),
-                )
-            )
+            out.put(link.DeltaMsg(id=rid, delta=d))
 
-        sids[msg.id] = scheduler.submit(msg.prompt, params, emit)
+        sids[msg.id] = scheduler.submit(msg.prompt, msg.params, emit)
 
     def _write(self, sock: socket.socket, out: queue.Queue) -> None:
         due = time.monotonic() + METRICS_EVERY_S  # Info goes first: the gateway waits for it

@@ -8,13 +8,16 @@ same collectives by construction.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Literal
+
+from pydantic import TypeAdapter
 
 from thunderpool.engine.sampling import SamplingParams
 
 Op = Literal["step", "park", "stop", "probe", "solo"]
 OPS = ("step", "park", "stop", "probe", "solo")
+_SAMPLING = TypeAdapter(SamplingParams)  # the API's schema, all the way to the rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +59,7 @@ class StepPlan:
             p = self.prefill
             d["pre"] = [p.sid, list(p.tokens), int(p.last)]
             if p.sampling is not None:
-                s = p.sampling
-                d["pre"].append([s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed])
+                d["pre"].append(asdict(p.sampling))
         if self.join:
             d["join"] = list(self.join)
         if self.decode:
@@ -72,10 +74,7 @@ class StepPlan:
         prefill = None
         if "pre" in d:
             sid, tokens, last, *sampling = d["pre"]
-            params = None
-            if sampling:
-                n, temp, top_p, top_k, seed = sampling[0]
-                params = SamplingParams(n, temp, top_p, top_k, seed)
+            params = _SAMPLING.validate_python(sampling[0]) if sampling else None
             prefill = Prefill(int(sid), tuple(int(t) for t in tokens), bool(last), params)
         return cls(
             op=d["op"],

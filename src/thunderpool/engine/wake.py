@@ -3,9 +3,10 @@
 MLX's ring backend busy-polls inside a collective, so a follower that waited for the next plan
 there would burn a core while the instance is idle. Instead the leader parks the followers:
 the first park plan carries the leader's wake address, each follower connects once (and says
-its rank), and from then on a parked follower sleeps in `recv` until the leader writes one byte
-to it, just before the leader's next plan. The collectives' order is unchanged. A follower that
-cannot reach the address keeps waiting in the collective, as before.
+its rank; the leader acknowledges it), and from then on a parked follower sleeps in `recv`
+until the leader writes one byte to it, just before the leader's next plan. The collectives'
+order is unchanged. A follower that cannot reach the address, or is not acknowledged, keeps
+waiting in the collective, as before.
 """
 
 from __future__ import annotations
@@ -58,11 +59,12 @@ class Waker:
     def wake(self) -> None:
         """Leader: wakes every parked follower (call before the next plan)."""
         for peer in self.peers:
-            peer.sendall(b"w")
+            with contextlib.suppress(OSError):  # a follower that died ends the instance anyway
+                peer.sendall(b"w")
 
     def _accept(self) -> None:
         assert self.listener is not None
-        deadline = time.monotonic() + ACCEPT_TIMEOUT_S
+        deadline, ranks = time.monotonic() + ACCEPT_TIMEOUT_S, set()
         while len(self.peers) < self.control.size - 1:
             self.listener.settimeout(max(deadline - time.monotonic(), 0.01))
             try:
@@ -71,10 +73,17 @@ class Waker:
                 break  # those that did not connect wait in the collective
             peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             peer.settimeout(CONNECT_TIMEOUT_S)
-            with contextlib.suppress(OSError):
-                struct.unpack(">I", peer.recv(4))
-                peer.settimeout(None)
-                self.peers.append(peer)
+            try:
+                (rank,) = struct.unpack(">I", _recv_exact(peer, 4))
+                if not 0 < rank < self.control.size or rank in ranks:
+                    raise OSError(f"rank {rank} is not a follower still to connect")
+                peer.sendall(b"a")
+            except (OSError, struct.error):
+                peer.close()
+                continue
+            peer.settimeout(None)
+            ranks.add(rank)
+            self.peers.append(peer)
         self.listener.close()
 
 
@@ -85,10 +94,27 @@ def _connect(port: int, hosts: list[str], rank: int) -> socket.socket | None:
         except OSError:
             continue
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(struct.pack(">I", rank))
+        try:
+            sock.sendall(struct.pack(">I", rank))
+            sock.settimeout(ACCEPT_TIMEOUT_S + CONNECT_TIMEOUT_S)
+            if sock.recv(1) != b"a":  # not accepted: wait in the collective instead
+                raise OSError("the leader did not acknowledge")
+        except OSError:
+            sock.close()
+            return None
         sock.settimeout(None)
         return sock
     return None
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise OSError(f"closed after {len(data)} of {n} bytes")
+        data += chunk
+    return data
 
 
 def leader_hosts() -> list[str]:

@@ -10,6 +10,7 @@ import json
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,7 +20,6 @@ from thunderpool.engine.control import Control
 from thunderpool.engine.engine import Engine, follow
 from thunderpool.engine.job import BenchTask, GenerateTask, RankJob, ServeTask, TraceTask
 from thunderpool.engine.loader import Layout, load_shard, peak_rss_bytes
-from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.sequence import TextEdge
 from thunderpool.errors import ThunderpoolError
 
@@ -102,7 +102,7 @@ def _generate(engine: Engine, tokenizer, task: GenerateTask) -> None:
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     else:
         prompt = tokenizer.encode(task.prompt)
-    params = SamplingParams(**task.sampling.model_dump())
+    params = task.sampling
     last = []
 
     def on_delta(d) -> None:
@@ -128,8 +128,7 @@ def _generate(engine: Engine, tokenizer, task: GenerateTask) -> None:
 
 
 def _trace(engine: Engine, task: TraceTask) -> None:
-    fields = task.sampling.model_dump() | {"max_tokens": task.max_tokens}
-    params = SamplingParams(**fields)
+    params = replace(task.sampling, max_tokens=task.max_tokens)
     tokens, logits = [], []
     for prompt in task.prompts:
         mine, rows = [], []

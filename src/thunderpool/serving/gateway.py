@@ -189,19 +189,12 @@ class Gateway:
             req = self._requests.get(msg.id)
             if req is None or generation != self._generation:
                 return  # cancelled, ended by a loss, or from an instance already lost
-            delta = Delta(
-                msg.text,
-                msg.finish_reason,
-                msg.prompt_tokens,
-                msg.completion_tokens,
-                msg.error,
-                tuple(msg.tokens),
-            )
-            if req.replayable and msg.finish_reason is None:
+            delta = msg.delta
+            if req.replayable and delta.finish_reason is None:
                 req.held.append(delta)
                 return
             req.started = True
-            if msg.finish_reason is not None:
+            if delta.finish_reason is not None:
                 del self._requests[msg.id]
             deltas, req.held = [*req.held, delta], []
         for d in deltas:
@@ -209,14 +202,4 @@ class Gateway:
 
 
 def _submit(req: _Request) -> link.Submit:
-    p = req.params
-    return link.Submit(
-        id=req.id,
-        prompt=req.prompt,
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        seed=p.seed,
-        stop=list(p.stop),
-    )
+    return link.Submit(id=req.id, prompt=req.prompt, params=req.params)
