@@ -152,13 +152,14 @@ def run_trace(
 ) -> dict[str, np.ndarray]:
     """Greedy-decode `prompts` on `nodes` real rank processes; returns tokens and logits."""
     from thunderpool.cluster.launch import LocalInstance
-    from thunderpool.engine.job import RankJob, Sampling, TraceTask
+    from thunderpool.engine.job import RankJob, TraceTask
+    from thunderpool.engine.sampling import SamplingParams
 
     task = TraceTask(
         prompts=tuple(map(tuple, prompts or tiny_prompts())),
         max_tokens=max_tokens,
         out=str(out),
-        sampling=sampling or Sampling(),
+        sampling=sampling or SamplingParams(),
     )
     job = RankJob(
         model_dir=str(model_dir), world_size=nodes, parallel=parallel, task=task, **job_fields

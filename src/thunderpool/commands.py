@@ -44,11 +44,12 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
 
 
 def generate(args: argparse.Namespace) -> int:
-    from thunderpool.engine.job import GenerateTask, RankJob, Sampling
+    from thunderpool.engine.job import GenerateTask, RankJob
+    from thunderpool.engine.sampling import SamplingParams
 
     err = Console(stderr=True)
     try:
-        sampling = Sampling(
+        sampling = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
@@ -141,7 +142,9 @@ def _first_error(e: ValueError) -> str:
     if callable(errors):
         first = errors()[0]
         return f"--{'-'.join(str(x) for x in first['loc']).replace('_', '-')}: {first['msg']}"
-    return str(e)
+    # SamplingParams names the field first: "top_p=1.5 must be in (0, 1]".
+    name = str(e).split("=", 1)[0]
+    return f"--{name.replace('_', '-')}: {e}" if name.isidentifier() else str(e)
 
 
 def _same_blas_as_ranks() -> None:

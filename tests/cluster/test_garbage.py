@@ -26,9 +26,10 @@ from thunderpool.cluster.auth import AuthError, Identity
 from thunderpool.cluster.client import AgentClient
 from thunderpool.cluster.probe import ProbeServer, measure
 from thunderpool.cluster.ranks import RankManager
+from thunderpool.engine import link
+from thunderpool.engine.link_server import LeaderServer
+from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.service import Delta
-from thunderpool.serving import link
-from thunderpool.serving.leader import LeaderServer
 
 TOKEN = "garbage-test-token"
 WAIT_S = 10.0  # a hang guard for every wait below, never a timing
@@ -241,7 +242,7 @@ def leader() -> Iterator[tuple[LeaderServer, FakeScheduler]]:
 
 def submit(id: int, prompt: list[int], **fields) -> link.Submit:
     params = {"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, **fields}
-    return link.Submit(id=id, prompt=prompt, **params)
+    return link.Submit(id=id, prompt=prompt, params=SamplingParams(**params))
 
 
 def raw(body: bytes) -> bytes:
@@ -271,7 +272,7 @@ def link_serves(port: int, scheduler: FakeScheduler) -> None:
     with session(port) as sock:
         link.send(sock, submit(3, [5, 6]))
         assert next_delta(sock) == link.DeltaMsg(
-            id=3, text="hi", finish_reason="stop", prompt_tokens=2, completion_tokens=1, tokens=[7]
+            id=3, delta=Delta("hi", "stop", prompt_tokens=2, completion_tokens=1, tokens=(7,))
         )
     assert scheduler.submitted[-1] == [5, 6]
 
@@ -297,7 +298,7 @@ TOO_BIG = f"over the {link.MAX_FRAME}-byte limit"
         (encoded(link.Metrics(values={})), "invalid message: Input tag 'metrics'"),
         (
             raw(encoded(submit(1, [1]))[4:].replace(b'"top_p":1.0', b'"top_p":5.0')),
-            "invalid message: Input should be less than or equal to 1",
+            "invalid message: Value error, top_p=5.0 must be in (0, 1]",
         ),
         # A valid request that skips the handshake.
         (encoded(submit(1, [1])), "the peer did not answer the challenge"),

@@ -5,7 +5,7 @@ emitted n tokens, cancellations at a request's n-th token, an optional eos overr
 `pipeline` (None: each rank's default, batch.overlaps). Arrivals
 and cancellations happen inside the emit callback, so inside a decode burst when one runs.
 `run_ranks` starts two rank processes (MLX ring on loopback, with a timeout); rank 0 drives
-the Scheduler and rank 1 follows: `python batch_ranks.py SPEC.json OUT.json`.
+the Engine and rank 1 follows: `python batch_ranks.py SPEC.json OUT.json`.
 """
 
 from __future__ import annotations
@@ -22,34 +22,42 @@ import mlx.core as mx
 
 from thunderpool.bench.breakdown import counting_collectives
 from thunderpool.cluster.launch import child_setup, free_ports
-from thunderpool.engine import engine
+from thunderpool.engine import executor
 from thunderpool.engine.control import Control
+from thunderpool.engine.engine import Engine, follow
 from thunderpool.engine.loader import Layout, load_shard, read_config
+from thunderpool.engine.plan import STOP_PLAN, StepPlan
 from thunderpool.engine.sampling import SamplingParams
-from thunderpool.engine.scheduler import Scheduler
+from thunderpool.engine.sequence import TextRequests
+
+
+def plan_name(plan: StepPlan) -> str:
+    """ "step+" starts a decode burst, "pre" is a prefill chunk alone, "step" drops rows only."""
+    if plan.op != "step":
+        return plan.op
+    return "step+" if plan.decode else ("pre" if plan.prefill else "step")
 
 
 def run_scenario(runner, control: Control, tokenizer, spec: dict) -> dict:
     """Runs the scenario on the leader; returns each request's outcome and the event log:
-    control commands ("pre", "step", "step+" for one that starts a burst, "x" for a burst
-    step) interleaved with ["submit" | "cancel" | "finish", request]."""
-    sched = Scheduler(
+    plans (plan_name) and "x" for each decode step's exchange, interleaved with ["submit" |
+    "cancel" | "finish", request]."""
+    engine = Engine(
         runner,
         control,
-        tokenizer,
         prefill_chunk=spec.get("prefill_chunk", 16),
         max_batch=spec.get("max_batch", 8),
+        eos=set(spec.get("eos") or ()),
         pipeline=spec.get("pipeline"),
     )
-    if spec.get("eos") is not None:
-        sched.eos = set(spec["eos"])
+    sched = TextRequests(engine, tokenizer)
     reqs, cancels = spec["requests"], [tuple(c) for c in spec.get("cancel", [])]
     events: list = []
     send, burst_step = control.send, control.burst_step
 
-    def logged_send(command: dict) -> None:
-        events.append(command["op"] + ("+" if command.get("more") else ""))
-        send(command)
+    def logged_send(data: bytes) -> None:
+        events.append(plan_name(StepPlan.decode_bytes(data)))
+        send(data)
 
     def logged_burst_step(*args, **kwargs):
         events.append("x")
@@ -96,12 +104,13 @@ def run_scenario(runner, control: Control, tokenizer, spec: dict) -> dict:
         for _ in range(10_000):
             if done():
                 break
-            sched.step()
+            engine.step()
         assert done(), f"the scenario did not finish: {out}"
-        while sched.step():  # the last finished and cancelled rows leave the batch
+        while engine.step():  # the last finished and cancelled rows leave the batch
             pass
     control.send, control.burst_step = send, burst_step
-    left = [sched.state.rows, sched.state.batch is None, len(sched.state.pending)]
+    state = engine.executor.state
+    left = [state.rows, state.batch is None, len(state.pending)]
     return {"out": out, "events": events, "per_token": per_token, "left": left}
 
 
@@ -113,8 +122,8 @@ def main(spec_path: str, out_path: str) -> None:
     control = Control(group)
     if group.rank() != 0:
         if spec.get("pipeline") is not None:
-            engine.overlaps = lambda runner: spec["pipeline"]  # the follower's choice too
-        engine.follow(runner, control)
+            executor.overlaps = lambda runner: spec["pipeline"]  # the follower's choice too
+        follow(runner, control)
         return
     tokenizer = None
     if spec.get("tokenizer"):
@@ -124,7 +133,7 @@ def main(spec_path: str, out_path: str) -> None:
     try:
         result = run_scenario(runner, control, tokenizer, spec)
     finally:
-        control.send({"op": "stop"})
+        control.send(STOP_PLAN.encode())
     Path(out_path).write_text(json.dumps(result))
 
 

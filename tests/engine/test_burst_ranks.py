@@ -1,6 +1,6 @@
 """Decode bursts on two real ranks (ring on loopback): requests that join, finish and are
 cancelled while a burst runs get exactly the tokens and text of the same requests run alone
-on one rank, and those equal the pipelined single-stream engine's tokens."""
+on one rank, and those equal the engine's tokens for each request run by itself."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from batch_ranks import run_ranks, run_scenario
 from mlx_lm.utils import load_tokenizer
 
 from thunderpool.engine.control import Control
-from thunderpool.engine.engine import Leader
+from thunderpool.engine.engine import Engine
 from thunderpool.engine.loader import Layout, load_shard, read_config
 from thunderpool.engine.sampling import SamplingParams
 
@@ -38,11 +38,12 @@ def alone(one_rank, spec: dict, i: int) -> dict:
 
 
 def engine_tokens(one_rank, request: dict) -> list[int]:
-    """The single-stream engine's tokens (Leader.generate_ids: no scheduler involved)."""
+    """The engine's tokens for the request by itself (a batch of one row, no eos, no text)."""
     runner, _ = one_rank
-    leader = Leader(runner, Control(runner.group), prefill_chunk=16)
+    engine, tokens = Engine(runner, Control(runner.group), prefill_chunk=16), []
     params = SamplingParams(**request["params"])
-    return [s.token for s in leader.generate_ids(request["prompt"], params)]
+    engine.generate(request["prompt"], params, lambda ev: tokens.append(ev.token))
+    return tokens
 
 
 def scenario(tiny_chat: Path, one_rank) -> tuple[dict, list[list[int]]]:

@@ -2,7 +2,7 @@
 of the split embedding's lookup, one all_gather of the split output head's logits and one
 control exchange; PP one send and one recv on the leader plus the exchange. Counted by the
 bench's shim around mx.distributed inside real 2-rank runs, and in one process. Serve's decode
-bursts (continuous batching) issue the same per step: no JSON command, one exchange."""
+bursts (continuous batching) issue the same per step: no JSON plan, one exchange."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from batch_ranks import run_ranks
 from thunderpool.bench.breakdown import count_decode_step, counting_collectives, solo_collectives
 from thunderpool.bench.run import bench_parallel
 from thunderpool.engine.control import Control
-from thunderpool.engine.engine import Leader
+from thunderpool.engine.engine import Engine
 from thunderpool.engine.loader import Layout, load_shard
 from thunderpool.parallel import tensor
 
@@ -52,7 +52,7 @@ def test_one_process_tp_layout_counts_two_all_sums_per_layer(tiny_models):
     for layer in runner.model.layers:
         tensor.shard_attention(layer.self_attn, tensor.HeadShare(0, 6, 0, 3), group)
         tensor.shard_mlp(layer.mlp, [1.0], 0, group)
-    counts = count_decode_step(Leader(runner, Control(group)), list(range(1, 9)))
+    counts = count_decode_step(Engine(runner, Control(group)), list(range(1, 9)))
     expected = {"by_op": {"all_sum": 2 * LAYERS}, "model": 2 * LAYERS, "control": 0}
     assert counts == {**expected, "total": 2 * LAYERS}
 
@@ -85,15 +85,15 @@ def _minus(after: dict, before: dict) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "pipeline"), [("llama", True), ("llama", False), ("qwen3", None)])
 def test_two_ranks_count_per_serve_decode_step(tiny_models, tmp_path, kind, pipeline):
-    """One request through serve's scheduler on 2 TP ranks: the prefill, one "step" command
-    that starts a burst, then burst steps, each built exactly once: 2 all_sums per layer, the
-    embedding's and the exchange's, and the logits' all_gather. Pipelined, the leader builds
-    step k+1 before it delivers token k, so the first "token gap" holds two steps and the last
-    none."""
+    """One request through serve's engine on 2 TP ranks: a prefill plan, the plan of the last
+    chunk that starts a burst, then decode steps, each built exactly once: 2 all_sums per
+    layer, the embedding's and the exchange's, and the logits' all_gather. Pipelined, the
+    leader builds step k before it delivers token k (the first token comes from the prefill),
+    so the last "token gap" holds no step."""
     request = {"prompt": list(range(3, 20)), "params": {"max_tokens": 8}}
     spec = {"model": str(tiny_models[kind]), "requests": [request], "count": True}
     got = run_ranks(spec | {"pipeline": pipeline}, tmp_path)
-    steps = ["pre", "pre", "step+", *["x"] * 6]  # 17 prompt tokens in chunks of 16
+    steps = ["pre", "step+", *["x"] * 7]  # 17 prompt tokens in chunks of 16
     assert got["events"] == [["submit", 0], *steps, ["finish", 0], "step"]
     per_token = got["per_token"]  # (collectives by op, Control.collectives) at each token
     assert len(per_token) == 8
@@ -103,14 +103,15 @@ def test_two_ranks_count_per_serve_decode_step(tiny_models, tmp_path, kind, pipe
     ]
     one = (TP_STEP, 1)
     if pipeline:
-        double = ({k: 2 * n for k, n in TP_STEP.items()}, 2)
-        assert gaps == [double, *[one] * 5, ({}, 0)]
+        assert gaps == [*[one] * 6, ({}, 0)]
+        built = 6  # step 1 was built before the first token was delivered
     else:  # the default on CPU ranks pinned to a core (batch.overlaps)
         assert gaps == [one] * 7
-    # 7 decode forwards after the prefill, each with exactly one control collective: the
-    # "step" command's JSON, then 6 exchanges.
-    assert per_token[7][1] - per_token[0][1] == 7
+        built = 7
+    # 7 decode forwards after the prefill, each with exactly one control collective: its
+    # token exchange (the plan's JSON came before the first token).
+    assert per_token[7][1] - per_token[0][1] == built
     assert _minus(per_token[7][0], per_token[0][0]) == {
-        "all_gather": 7,
-        "all_sum": 7 * (2 * LAYERS + 2),
+        "all_gather": built,
+        "all_sum": built * (2 * LAYERS + 2),
     }

@@ -1,7 +1,8 @@
 """Continuous batching on one rank: staggered, concurrent greedy requests give exactly the
-tokens of the same requests run one at a time; cancelled rows leave the batch. Decode bursts
-run here too (the same leader logic, minus the collective): requests that arrive, finish or
-are cancelled mid-burst change nothing, and a burst runs no step past a row's max_tokens."""
+tokens of the same requests run one at a time (a batch of one row); cancelled rows leave the
+batch. Decode bursts run here too (the same executor, minus the collective): requests that
+arrive, finish or are cancelled mid-burst change nothing, and a burst runs no step past a
+row's max_tokens."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import pytest
 from batch_ranks import run_scenario
 
 from thunderpool.engine.control import Control
-from thunderpool.engine.engine import Leader
+from thunderpool.engine.engine import Engine
 from thunderpool.engine.loader import Layout, load_shard
 from thunderpool.engine.sampling import SamplingParams
-from thunderpool.engine.scheduler import Scheduler
+from thunderpool.engine.sequence import TextRequests
 
 
 def prompts(n: int, seed: int = 4) -> list[list[int]]:
@@ -38,15 +39,17 @@ def pipeline(request) -> bool:
 
 
 def one_at_a_time(runner, prompt, params) -> list[int]:
-    leader = Leader(runner, Control(runner.group), prefill_chunk=16)
-    return [s.token for s in leader.generate_ids(prompt, params)]
+    engine, tokens = Engine(runner, Control(runner.group), prefill_chunk=16), []
+    engine.generate(prompt, params, lambda ev: tokens.append(ev.token))
+    return tokens
 
 
 def run_batched(runner, requests, arrivals, cancel=None, pipeline=None):
     """Submit request i before step arrivals[i]; cancel=(i, n) cancels request i as its n-th
     token arrives (inside a decode burst, when one runs)."""
     control = Control(runner.group)
-    sched = Scheduler(runner, control, None, prefill_chunk=16, max_batch=8, pipeline=pipeline)
+    engine = Engine(runner, control, prefill_chunk=16, max_batch=8, pipeline=pipeline)
+    sched = TextRequests(engine, None)
     out = {i: [] for i in range(len(requests))}
     done = {}
     ids = {}
@@ -63,39 +66,39 @@ def run_batched(runner, requests, arrivals, cancel=None, pipeline=None):
                         cancel == (i, len(out[i])) and sched.cancel(ids[i]),
                     ),
                 )
-        sched.step()
-        max_rows = max(max_rows, len(sched.state.rows))
+        engine.step()
+        max_rows = max(max_rows, len(engine.executor.state.rows))
         expected = len(requests) - (1 if cancel else 0)
         if len(done) == expected and step > max(arrivals):
             break
-    sched.step()  # lets the last finished rows leave
-    return out, done, sched, max_rows
+    engine.step()  # lets the last finished rows leave
+    return out, done, engine.executor.state, max_rows
 
 
 def test_eight_concurrent_equal_one_at_a_time(runner, pipeline):
     params = [SamplingParams(max_tokens=8 + 3 * i) for i in range(8)]
     reqs = list(zip(prompts(8), params, strict=True))
     expected = [one_at_a_time(runner, p, sp) for p, sp in reqs]
-    out, done, sched, max_rows = run_batched(
+    out, done, state, max_rows = run_batched(
         runner, reqs, arrivals=[0, 0, 1, 2, 2, 5, 9, 14], pipeline=pipeline
     )
     assert [out[i] for i in range(8)] == expected
     assert all(done[i].finish_reason == "length" for i in range(8))
     assert [done[i].completion_tokens for i in range(8)] == [p.max_tokens for p in params]
     assert max_rows >= 4  # requests really overlapped in one batch
-    assert sched.state.rows == [] and sched.state.batch is None and not sched.state.pending
+    assert state.rows == [] and state.batch is None and not state.pending
 
 
 def test_cancelled_request_leaves_the_batch(runner, pipeline):
     params = SamplingParams(max_tokens=30)
     reqs = [(p, params) for p in prompts(3, seed=9)]
     expected = [one_at_a_time(runner, p, params) for p, _ in reqs]
-    out, done, sched, _ = run_batched(
+    out, done, state, _ = run_batched(
         runner, reqs, arrivals=[0, 0, 0], cancel=(1, 8), pipeline=pipeline
     )
     assert 1 not in done and out[1] == expected[1][:8]  # nothing after the cancellation
     assert out[0] == expected[0] and out[2] == expected[2]
-    assert sched.state.rows == []
+    assert state.rows == []
 
 
 def test_seeded_sampling_is_the_same_alone_and_batched(runner, pipeline):
@@ -107,15 +110,16 @@ def test_seeded_sampling_is_the_same_alone_and_batched(runner, pipeline):
 
 
 def test_a_burst_runs_no_step_past_max_tokens(runner, pipeline):
-    """One prefill, one "step" that starts a burst, then exactly max_tokens - 2 burst steps;
-    two rows: the burst ends on the shorter row's last token, which then leaves the batch."""
+    """One plan with the prompt's last chunk starts a burst, then exactly max_tokens - 1 decode
+    steps; two rows: the burst ends on the shorter row's last token, which then leaves the
+    batch."""
     prompt = prompts(2, seed=5)
     control = Control(runner.group)
     spec = {"requests": [{"prompt": prompt[0], "params": {"max_tokens": 9}}], "pipeline": pipeline}
     got = run_scenario(runner, control, None, spec)
-    steps = ["pre"] * ((len(prompt[0]) + 15) // 16 - 1) + ["pre", "step+"] + ["x"] * 7
+    steps = ["pre"] * ((len(prompt[0]) + 15) // 16 - 1) + ["step+"] + ["x"] * 8
     assert got["events"] == [["submit", 0], *steps, ["finish", 0], "step"]
-    assert got["out"][0]["tokens"] == one_at_a_time(runner, prompt[0], SamplingParams(9))
+    assert got["out"][0]["tokens"] == one_at_a_time(runner, prompt[0], SamplingParams(max_tokens=9))
     two = [
         {"prompt": p, "params": {"max_tokens": n}} for p, n in zip(prompt, (14, 20), strict=True)
     ]
@@ -124,7 +128,8 @@ def test_a_burst_runs_no_step_past_max_tokens(runner, pipeline):
     assert events[events.index(["finish", 0]) + 1] == "step+"  # no burst step after its last
     assert events[-3:] == ["x", ["finish", 1], "step"]
     assert [o["tokens"] for o in got["out"]] == [
-        one_at_a_time(runner, p, SamplingParams(n)) for p, n in zip(prompt, (14, 20), strict=True)
+        one_at_a_time(runner, p, SamplingParams(max_tokens=n))
+        for p, n in zip(prompt, (14, 20), strict=True)
     ]
     assert got["left"] == [[], True, 0]
 

@@ -12,11 +12,11 @@ import threading
 
 import pytest
 
+from thunderpool.engine.link import FrameError
+from thunderpool.engine.link_server import LeaderServer
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.service import Delta, EngineInfo
 from thunderpool.serving.gateway import Gateway
-from thunderpool.serving.leader import LeaderServer
-from thunderpool.serving.link import FrameError
 
 TOKEN = "link-secret"
 

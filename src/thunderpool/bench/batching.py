@@ -6,13 +6,12 @@ import time
 
 import numpy as np
 
-from thunderpool.engine.engine import Leader
+from thunderpool.engine.engine import Engine
 from thunderpool.engine.sampling import SamplingParams
-from thunderpool.engine.scheduler import Scheduler
 
 
 def bench_concurrency(
-    leader: Leader, levels: tuple[int, ...], prompt_tokens: int, max_tokens: int, vocab: int
+    engine: Engine, levels: tuple[int, ...], prompt_tokens: int, max_tokens: int, vocab: int
 ) -> list[dict]:
     """For each level C, C greedy requests submitted together.
 
@@ -22,22 +21,17 @@ def bench_concurrency(
     rng = np.random.default_rng(0)
     results = []
     for c in levels:
-        sched = Scheduler(
-            leader.runner,
-            leader.control,
-            None,
-            prefill_chunk=leader.prefill_chunk,
-            max_batch=c,
-            max_context=prompt_tokens + max_tokens + 1,
-        )
+        engine.scheduler.max_batch = c
         emits: list[tuple[int, float]] = []
         params = SamplingParams(max_tokens=max_tokens)
         start = time.perf_counter()
         for i in range(c):
             prompt = rng.integers(0, vocab, prompt_tokens).tolist()
-            sched.submit(prompt, params, lambda d, i=i, e=emits: e.append((i, time.perf_counter())))
-        while sched.waiting or sched.prefilling or sched.active or sched.queue_depth:
-            sched.step()
+            engine.submit(
+                prompt, params, lambda d, i=i, e=emits: e.append((i, time.perf_counter()))
+            )
+        while engine.step():
+            pass
         end = emits[-1][1]
         all_decoding = max(min(t for j, t in emits if j == i) for i in range(c))
         steady = [t for _, t in emits if t > all_decoding]

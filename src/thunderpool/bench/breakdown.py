@@ -26,31 +26,18 @@ logits' gather included) against the latency bound, `layers x 2 x latency` for T
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
 from collections import Counter
 from collections.abc import Iterator
 
 import mlx.core as mx
 
-from thunderpool.engine.batch import overlaps
-from thunderpool.engine.runner import Runner
+from thunderpool.engine.measure import replaced as _replaced
+from thunderpool.engine.measure import solo_collectives, solo_compute, solo_decode_ms
 from thunderpool.engine.sampling import SamplingParams
 
+__all__ = ["counting_collectives", "solo_collectives", "solo_compute", "solo_decode_ms"]
+
 COLLECTIVES = ("all_sum", "all_gather", "all_max", "all_min", "sum_scatter", "send", "recv")
-
-
-@contextlib.contextmanager
-def _replaced(fns: dict) -> Iterator[None]:
-    """mx.distributed's functions named in `fns` replaced inside the block, restored after."""
-    originals = {name: getattr(mx.distributed, name) for name in fns}
-    try:
-        for name, fn in fns.items():
-            setattr(mx.distributed, name, fn)
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(mx.distributed, name, fn)
 
 
 @contextlib.contextmanager
@@ -69,96 +56,29 @@ def counting_collectives() -> Iterator[Counter]:
         yield counts
 
 
-@contextlib.contextmanager
-def solo_collectives() -> Iterator[None]:
-    """Inside the block collectives are local no-ops of the right shape (compute-only runs)."""
-    stand_ins = {
-        "all_sum": lambda x, *a, **k: x,
-        "send": lambda x, *a, **k: x,
-        "recv": lambda shape, dtype, *a, **k: mx.zeros(shape, dtype),
-        # Every rank's share of the split output head stands in for the others' (same shape).
-        "all_gather": lambda x, *a, group=None, **k: mx.concatenate([x] * _size(group)),
-    }
-    with _replaced(stand_ins):
-        yield
-
-
-def _size(group) -> int:
-    return group.size() if group is not None else 1
-
-
-def count_decode_step(leader, prompt: list[int]) -> dict:
+def count_decode_step(engine, prompt: list[int]) -> dict:
     """The collectives the leader issues for one steady decode step (greedy).
 
-    The engine builds step k+1 just before (pipelined) or just after yielding token k, so the
-    calls between the second and the third token are exactly one step's graph. Closing the
-    generator then, well before its last token, also exercises the early-stop path.
+    The engine builds step k+1 just before (pipelined) or just after delivering token k, so
+    the calls between the second and the third token are exactly one step's graph.
     """
-    steps = leader.generate_ids(prompt, SamplingParams(max_tokens=8))
-    next(steps)
-    next(steps)
-    control_before = leader.control.collectives
+    marks: list[tuple[dict, int]] = []
     with counting_collectives() as counts:
-        next(steps)
-    control = leader.control.collectives - control_before
-    steps.close()
-    total = sum(counts.values())
+
+        def on_event(ev) -> None:
+            marks.append((dict(counts), engine.control.collectives))
+
+        engine.generate(prompt, SamplingParams(max_tokens=8), on_event)
+    (before, c_before), (after, c_after) = marks[1], marks[2]
+    by_op = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+    total = sum(by_op.values())
+    control = c_after - c_before
     return {
-        "by_op": dict(sorted(counts.items())),
+        "by_op": dict(sorted(by_op.items())),
         "model": total - control,
         "control": control,
         "total": total,
     }
-
-
-def solo_decode_ms(runner: Runner, prompt: list[int], steps: int) -> float:
-    """Median ms per decode step of this rank's shard alone, pipelined where the engine is."""
-    pipeline = overlaps(runner)
-    with solo_collectives():
-        cache = runner.make_cache()
-        out = runner.forward(mx.array([prompt]), cache)
-        token = _next_token(runner, out, prompt[-1])
-        mx.eval(token, *_arrays(out))
-        times, pending, last = [], None, time.perf_counter()
-        for _ in range(steps):
-            out = runner.forward(token[:, None], cache)
-            token = _next_token(runner, out, prompt[-1])
-            current = [token, *_arrays(out)]
-            # Stepped one at a time where the engine is (batch.overlaps).
-            (mx.async_eval if pipeline else mx.eval)(current)
-            if pending is not None:
-                mx.eval(pending)
-                now = time.perf_counter()
-                times.append(now - last)
-                last = now
-            pending = current
-        mx.eval(pending)
-        times.append(time.perf_counter() - last)
-    return statistics.median(times) * 1e3
-
-
-def _arrays(out: mx.array | None) -> list[mx.array]:
-    return [] if out is None else [out]
-
-
-def _next_token(runner: Runner, out: mx.array | None, fallback: int) -> mx.array:
-    """The leader samples greedily like a real step; followers feed a fixed token."""
-    if runner.is_leader and out is not None:
-        return mx.argmax(out, axis=-1)
-    return mx.array([fallback])
-
-
-def solo_compute(
-    runner: Runner, group: mx.distributed.Group, prompt: list[int], steps: int
-) -> list[float]:
-    """Every rank runs `solo_decode_ms` at once; returns each rank's median ms (all ranks)."""
-    mine = solo_decode_ms(runner, prompt, steps)
-    slots = [0.0] * group.size()
-    slots[group.rank()] = mine
-    if group.size() == 1:
-        return slots
-    summed = mx.distributed.all_sum(mx.array(slots), group=group, stream=mx.cpu)
-    return summed.tolist()
 
 
 def decode_breakdown(

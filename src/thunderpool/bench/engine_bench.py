@@ -17,9 +17,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from thunderpool.bench.breakdown import count_decode_step, decode_breakdown, solo_compute
+from thunderpool.bench.breakdown import count_decode_step, decode_breakdown
 from thunderpool.bench.energy import energy_summary, open_meter
-from thunderpool.engine.engine import Leader
+from thunderpool.engine.engine import Engine
 from thunderpool.engine.job import BenchTask
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.errors import ThunderpoolError
@@ -103,33 +103,47 @@ def model_dims(model) -> tuple[int, int]:
     return int(vocab), int(hidden)
 
 
-def _ours(leader: Leader, prompt: list[int], max_tokens: int) -> Iterator[int]:
-    for step in leader.generate_ids(prompt, SamplingParams(max_tokens=max_tokens)):
-        yield step.token
+def run_ours(engine: Engine, prompt: list[int], max_tokens: int, meter=None) -> Run:
+    """One greedy generation on the engine, timed like `timed` at each token's delivery."""
+    snap = meter.snapshot() if meter else None
+    tokens: list[int] = []
+    first, prefill_j = [], 0.0
+    last = start = time.perf_counter()
+
+    def on_event(ev) -> None:
+        nonlocal last, snap, prefill_j
+        last = time.perf_counter()
+        if not tokens:
+            first.append(last)
+            if meter:
+                prefill_j, snap = meter.joules_since(snap), meter.snapshot()
+        tokens.append(ev.token)
+
+    engine.generate(prompt, SamplingParams(max_tokens=max_tokens), on_event)
+    decode_j = meter.joules_since(snap) if meter else 0.0
+    t1 = first[0] if first else start
+    return Run(tokens, len(prompt), t1 - start, last - t1, prefill_j, decode_j)
 
 
 # --- on the leader rank of an instance (called by engine/worker.py) -------------------------
 
 
-def bench_leader(leader: Leader, task: BenchTask, group: mx.distributed.Group, emit) -> None:
+def bench_leader(engine: Engine, task: BenchTask, group: mx.distributed.Group, emit) -> None:
     """Time `task.repeats` generations, split a decode step, emit one "bench" event."""
-    model, size = leader.runner.model, group.size()
+    model, size = engine.runner.model, group.size()
     vocab, hidden = model_dims(model)
     prompt = synthetic_prompt(task.prompt_tokens, vocab)
-    timed(_ours(leader, prompt, min(WARMUP_TOKENS, task.max_tokens)), len(prompt))
-    # Counted first: it stops a generation early, and the timed runs then prove that every
-    # rank is still in step (same tokens on every run).
-    counts = count_decode_step(leader, prompt)
+    run_ours(engine, prompt, min(WARMUP_TOKENS, task.max_tokens))
+    # Counted first: the timed runs then prove that every rank is still in step (same
+    # tokens on every run).
+    counts = count_decode_step(engine, prompt)
     meter, reason = open_meter()
     try:
-        runs = [
-            timed(_ours(leader, prompt, task.max_tokens), len(prompt), meter)
-            for _ in range(task.repeats)
-        ]
+        runs = [run_ours(engine, prompt, task.max_tokens, meter) for _ in range(task.repeats)]
     finally:
         if meter is not None:
             meter.close()
-    parallel = "single" if size == 1 else ("pp" if leader.runner.stage is not None else "tp")
+    parallel = "single" if size == 1 else ("pp" if engine.runner.stage is not None else "tp")
     result = {
         "world_size": size,
         "parallel": parallel,
@@ -140,19 +154,19 @@ def bench_leader(leader: Leader, task: BenchTask, group: mx.distributed.Group, e
         "tokens": runs[0].tokens,
         "identical_runs": all(r.tokens == runs[0].tokens for r in runs),
         "energy": energy_summary(meter, reason, runs),
-        **step_breakdown(leader, parallel, prompt, task.max_tokens - 1, hidden, runs, counts),
+        **step_breakdown(engine, parallel, prompt, task.max_tokens - 1, hidden, runs, counts),
     }
     if task.concurrency:
         from thunderpool.bench.batching import bench_concurrency
 
         result["batching"] = bench_concurrency(
-            leader, task.concurrency, task.prompt_tokens, task.max_tokens, vocab
+            engine, task.concurrency, task.prompt_tokens, task.max_tokens, vocab
         )
     emit("bench", **result)
 
 
 def step_breakdown(
-    leader: Leader,
+    engine: Engine,
     parallel: str,
     prompt: list[int],
     steps: int,
@@ -164,14 +178,14 @@ def step_breakdown(
     the split of a step into compute, collectives and waiting (breakdown.py)."""
     step_ms = 1e3 / statistics.median(r.decode_tps for r in runs)
     by_rank, hidden_ms, control_ms, gather_ms = [], 0.0, 0.0, 0.0
-    if leader.control.size > 1:
-        leader.control.send({"op": "solo", "t": prompt, "n": steps})
-        by_rank = solo_compute(leader.runner, leader.control.group, prompt, steps)
-        hidden_ms = leader.probe((1, 1, hidden), PROBE_REPEATS) * 1e3
-        control_ms = leader.probe((leader.control.min_elements,), PROBE_REPEATS) * 1e3
+    if engine.control.size > 1:
+        by_rank = engine.measure("solo", prompt, steps)
+        hidden_ms = engine.measure("probe", (1, 1, hidden), PROBE_REPEATS, "all_sum") * 1e3
+        control = (engine.control.min_elements,)
+        control_ms = engine.measure("probe", control, PROBE_REPEATS, "all_sum") * 1e3
         if counts["by_op"].get("all_gather"):
-            rows = split_head_of(leader.runner.model).width
-            gather_ms = leader.probe((rows, 1), PROBE_REPEATS, "all_gather") * 1e3
+            rows = split_head_of(engine.runner.model).width
+            gather_ms = engine.measure("probe", (rows, 1), PROBE_REPEATS, "all_gather") * 1e3
     split = decode_breakdown(step_ms, parallel, by_rank, counts, hidden_ms, control_ms, gather_ms)
     return {
         "breakdown": split,
@@ -198,7 +212,7 @@ def bench_single(model_dir: Path, prompt_tokens: int, max_tokens: int, repeats: 
 
     group = mx.distributed.init()
     runner, _, _ = load_shard(Path(model_dir), group, Layout())
-    leader = Leader(runner, Control(group))
+    engine = Engine(runner, Control(group), max_context=1 << 62)
     # mlx_lm.load minus the tokenizer, which tiny test checkpoints do not have.
     ref, _ = load_model(Path(model_dir))
     prompt = synthetic_prompt(prompt_tokens, model_dims(runner.model)[0])
@@ -208,18 +222,18 @@ def bench_single(model_dir: Path, prompt_tokens: int, max_tokens: int, repeats: 
         for token, _ in steps:
             yield int(token)
 
-    engines: dict[str, Callable[[int], Iterator[int]]] = {
-        "thunderpool": lambda n: _ours(leader, prompt, n),
-        "mlx_lm": theirs,
+    engines: dict[str, Callable[..., Run]] = {
+        "thunderpool": lambda n, meter=None: run_ours(engine, prompt, n, meter),
+        "mlx_lm": lambda n, meter=None: timed(theirs(n), prompt_tokens, meter),
     }
     for run in engines.values():
-        timed(run(min(WARMUP_TOKENS, max_tokens)), prompt_tokens)
+        run(min(WARMUP_TOKENS, max_tokens))
     runs: dict[str, list[Run]] = {name: [] for name in engines}
     meter, reason = open_meter()
     try:
         for _ in range(repeats):
             for name, run in engines.items():
-                runs[name].append(timed(run(max_tokens), prompt_tokens, meter))
+                runs[name].append(run(max_tokens, meter))
     finally:
         if meter is not None:
             meter.close()

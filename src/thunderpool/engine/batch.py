@@ -1,8 +1,10 @@
-"""The KV caches of one rank under continuous batching, changed only by the leader's commands.
+"""The KV caches of one rank under continuous batching, changed only by the leader's plans.
 
-Every rank applies the same `prefill` and `step` commands in the same order, so the batch rows
+Every rank applies the same plans (executor.py) in the same order, so the batch rows
 line up on every rank without ever shipping a cache. Prefill runs per sequence (B=1); the
 finished prefix cache then joins the decoding batch, which is left-padded (mlx-lm BatchKVCache).
+A lone row decodes on its own prefix cache (no padding mask, as mlx-lm's generate); it becomes
+a batch cache when a second row joins.
 """
 
 from __future__ import annotations
@@ -35,48 +37,43 @@ class BatchState:
     def __init__(self, runner: Runner):
         self.runner = runner
         self.pending: dict[int, list] = {}  # sequence id -> per-layer caches being prefilled
-        self.batch: list | None = None  # per-layer batch caches of the decoding rows
+        self.batch: list | None = None  # per-layer caches of the decoding rows
+        self.lone = False  # self.batch is one row's own prefix cache, not a batch cache
         self.rows: list[int] = []  # sequence id of each batch row
 
     def prefill(self, sid: int, tokens: list[int]) -> mx.array | None:
         cache = self.pending.setdefault(sid, self.runner.make_cache())
         return self.runner.forward(mx.array([tokens]), cache)
 
-    def step(self, drop: list[int], join: list[int], tokens: list[int]) -> mx.array | None:
-        """Drop finished rows, join prefilled sequences, then decode one token for every row."""
-        self._drop(set(drop))
-        for sid in join:
-            self._join(sid)
-        if not tokens:
-            return None
-        if len(tokens) != len(self.rows):
-            raise RuntimeError(f"{len(tokens)} tokens for {len(self.rows)} batch rows")
-        return self.decode(mx.array(tokens))
-
     def decode(self, tokens: mx.array) -> mx.array | None:
         """One decode step of every row on tokens (B,), lazily (a burst step feeds the
         exchanged tokens, so the forward waits on the exchange on every rank)."""
         return self.runner.forward(tokens[:, None], self.batch)
 
-    def _drop(self, drop: set[int]) -> None:
+    def drop(self, drop: set[int]) -> list[int] | None:
+        """Frees the rows and prefills in `drop`; returns the kept rows' indices (None: no row
+        left the batch)."""
         for sid in drop:
             self.pending.pop(sid, None)
         keep = [i for i, sid in enumerate(self.rows) if sid not in drop]
         if len(keep) == len(self.rows):
-            return
+            return None
         if not keep:
-            self.batch, self.rows = None, []
-            return
+            self.batch, self.rows, self.lone = None, [], False
+            return keep
         index = mx.array(keep)
         for cache in self.batch:
             cache.filter(index)
         self.rows = [self.rows[i] for i in keep]
+        return keep
 
-    def _join(self, sid: int) -> None:
-        merged = [c.merge([c]) for c in self.pending.pop(sid)]
+    def join(self, sid: int) -> None:
+        caches = self.pending.pop(sid)
         if self.batch is None:
-            self.batch = merged
+            self.batch, self.lone = caches, True
         else:
-            for cache, new in zip(self.batch, merged, strict=True):
-                cache.extend(new)
+            if self.lone:
+                self.batch, self.lone = [c.merge([c]) for c in self.batch], False
+            for cache, new in zip(self.batch, caches, strict=True):
+                cache.extend(new.merge([new]))
         self.rows.append(sid)

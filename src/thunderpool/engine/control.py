@@ -1,26 +1,22 @@
-"""The leader's per-step command, broadcast to followers as JSON bytes over an all_sum.
+"""The leader's step plan, broadcast to followers as JSON bytes over an all_sum.
 
 Followers contribute zeros, so the sum is the leader's bytes. A fixed header of HEADER bytes
-carries short commands in one collective; a longer command (a prefill chunk) takes a second
+carries short plans in one collective; a longer plan (a prefill chunk) takes a second
 collective of its exact padded length. No pickle ever crosses the wire.
 
-A decode step needs no JSON: `step_token` sums one int32 inside the lazy graph (the leader's
-token id + 1, or 0 for stop), so no rank waits in Python for it and the next step's graph can
-be built while the current one computes. `burst_step` does the same for a batch decode step
-of serve's scheduler: one (B+1,) int32 sum of [last, token of each row]. Every sum here is padded
-to at least one element per rank (`min_elements`).
+A decode step needs no JSON: `burst_step` sums one (B+1,) int32 inside the lazy graph ([last,
+token of each row]), so no rank waits in Python for it and the next step's graph can be built
+while the current one computes. Every sum here is padded to at least one element per rank
+(`min_elements`).
 """
 
 from __future__ import annotations
-
-import json
 
 import mlx.core as mx
 import numpy as np
 
 HEADER = 512
 _LEN = 4  # little-endian uint32 payload length at the start of the header
-STOP = -1  # the leader's step_token that ends a decode loop early (sums to 0)
 
 
 class Control:
@@ -33,23 +29,14 @@ class Control:
         # Every sum here is padded to one element per rank.
         self.min_elements = self.size
 
-    def send(self, command: dict) -> None:
-        """Leader: broadcast `command` (no-op on a single rank)."""
+    def send(self, data: bytes) -> None:
+        """Leader: broadcast `data` (no-op on a single rank)."""
         if self.size > 1:
-            self._exchange(json.dumps(command, separators=(",", ":")).encode())
+            self._exchange(data)
 
-    def receive(self) -> dict:
-        """Follower: block until the leader's next command arrives."""
-        return json.loads(self._exchange(None))
-
-    def step_token(self, token: mx.array | None) -> mx.array:
-        """One decode step's command, lazily: the leader passes its sampled token (1,) or
-        mx.array([STOP]); followers pass None. Returns (1,) int32: token id + 1, or 0 = stop."""
-        if token is None:
-            mine = mx.zeros((1,), mx.int32)
-        else:
-            mine = token.astype(mx.int32).reshape(1) + 1
-        return self._lazy_sum(mine)
+    def receive(self) -> bytes:
+        """Follower: block until the leader's next message arrives."""
+        return self._exchange(None)
 
     def burst_step(self, tokens: mx.array | None, rows: int, last: bool = False) -> mx.array:
         """One batch decode step's command, lazily: the leader passes its sampled tokens (B,)

@@ -6,18 +6,11 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from thunderpool.engine.sampling import SamplingParams
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class Sampling(_Frozen):
-    max_tokens: int = Field(128, ge=1)
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
 
 
 class GenerateTask(_Frozen):
@@ -26,7 +19,7 @@ class GenerateTask(_Frozen):
     kind: Literal["generate"] = "generate"
     prompt: str
     chat: bool = True
-    sampling: Sampling = Sampling()
+    sampling: SamplingParams = SamplingParams()
 
 
 class TraceTask(_Frozen):
@@ -38,7 +31,7 @@ class TraceTask(_Frozen):
     max_tokens: int = Field(32, ge=1)
     out: str
     keep_logits: bool = True
-    sampling: Sampling = Sampling()
+    sampling: SamplingParams = SamplingParams()
 
 
 class BenchTask(_Frozen):

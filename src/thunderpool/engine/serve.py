@@ -1,4 +1,4 @@
-"""A rank of a serving instance: the leader runs the scheduler, the others follow.
+"""A rank of a serving instance: the leader runs the engine, the others follow.
 
 The HTTP API lives in the serve process (serving/gateway.py), which outlives any rank: the
 leader takes requests from it over the engine link and streams deltas back.
@@ -16,7 +16,7 @@ import numpy as np
 
 from thunderpool.config import link_token_from_env
 from thunderpool.engine.control import Control
-from thunderpool.engine.engine import follow
+from thunderpool.engine.engine import Engine, follow
 from thunderpool.engine.job import RankJob, ServeTask
 from thunderpool.engine.loader import Layout, load_shard, peak_rss_bytes
 from thunderpool.errors import LaunchError
@@ -38,15 +38,12 @@ def serve(
     group: mx.distributed.Group,
     layout: Layout,
     emit: Callable[..., None],
+    progress: Callable[[float], None],
 ) -> None:
-    from thunderpool.engine.worker import load_progress
-
     token = link_token_from_env()
     if group.rank() == 0 and not token:
         raise LaunchError("no engine-link token in the environment; start ranks with `serve`")
-    runner, config, stats = load_shard(
-        Path(job.model_dir), group, layout, load_progress(group.rank())
-    )
+    runner, config, stats = load_shard(Path(job.model_dir), group, layout, progress)
     emit("loaded", **stats.as_event())
     report_memory(emit)
     memory = gather(group, [stats.param_bytes, peak_rss_bytes()])
@@ -56,41 +53,44 @@ def serve(
         return
     from mlx_lm.utils import load_tokenizer
 
-    from thunderpool.engine.scheduler import Scheduler
-    from thunderpool.serving.leader import LeaderServer
+    from thunderpool.engine.link_server import LeaderServer
+    from thunderpool.engine.sequence import Counters, TextRequests
 
     tokenizer = load_tokenizer(Path(job.model_dir), eos_token_ids=config.get("eos_token_id"))
     limit = config.get("max_position_embeddings") or 4096
     max_context = min(task.max_context or limit, limit)
-    scheduler = Scheduler(
+    engine = Engine(
         runner,
         control,
-        tokenizer,
         prefill_chunk=job.prefill_chunk,
         max_batch=task.max_batch,
         max_context=max_context,
+        eos=set(tokenizer.eos_token_ids or []),
     )
+    counters = Counters()
     loaded_memory = {f"rank{r}_memory_bytes": float(rss) for r, (_, rss) in enumerate(memory)}
 
     def metrics() -> dict[str, float]:
-        c = scheduler.counters
+        c = counters
         return loaded_memory | {
             "requests_total": c.requests_total,
             "tokens_generated_total": c.tokens_generated_total,
             "prompt_tokens_total": c.prompt_tokens_total,
             "ttft_seconds": c.ttft_seconds,
             "decode_tokens_per_second": c.decode_tps(),
-            "queue_depth": scheduler.queue_depth,
-            "active_requests": len(scheduler.active) + (1 if scheduler.prefilling else 0),
+            "queue_depth": engine.queue_depth,
+            "active_requests": engine.scheduler.running,
+            "wake_seconds": engine.wake_s,
             "leader_mlx_active_bytes": mx.get_active_memory(),
             "leader_rss_bytes": current_rss_bytes(),
             "leader_time": time.time(),
         }
 
-    server = LeaderServer(task.link_host, token, scheduler, max_context, metrics).start()
+    requests = TextRequests(engine, tokenizer, counters)
+    server = LeaderServer(task.link_host, token, requests, max_context, metrics).start()
     emit("ready", link_port=server.port)
     try:
-        scheduler.run()
+        engine.run()
     finally:
         server.shutdown()
 

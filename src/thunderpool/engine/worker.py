@@ -10,19 +10,21 @@ import json
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from thunderpool.engine.control import Control
-from thunderpool.engine.engine import Leader, follow
+from thunderpool.engine.engine import Engine, follow
 from thunderpool.engine.job import BenchTask, GenerateTask, RankJob, ServeTask, TraceTask
 from thunderpool.engine.loader import Layout, load_shard, peak_rss_bytes
-from thunderpool.engine.sampling import SamplingParams
+from thunderpool.engine.sequence import TextEdge
 from thunderpool.errors import ThunderpoolError
 
 EVENT_PREFIX = "TPEV "
+NO_CONTEXT_LIMIT = 1 << 62  # generate, trace and bench stop at max_tokens only
 
 
 def emit(kind: str, **fields) -> None:
@@ -45,7 +47,7 @@ def run(job: RankJob) -> None:
     if isinstance(job.task, ServeTask):
         from thunderpool.engine.serve import serve
 
-        return serve(job, job.task, group, layout, emit)
+        return serve(job, job.task, group, layout, emit, load_progress(group.rank()))
     runner, config, stats = load_shard(
         Path(job.model_dir), group, layout, load_progress(group.rank())
     )
@@ -54,19 +56,29 @@ def run(job: RankJob) -> None:
     if not runner.is_leader:
         follow(runner, control)
     else:
-        leader = Leader(runner, control, job.prefill_chunk)
+        eos = set()
+        if isinstance(job.task, GenerateTask):
+            tokenizer = _tokenizer(job)
+            eos = set(tokenizer.eos_token_ids or [])
+        engine = Engine(
+            runner,
+            control,
+            prefill_chunk=job.prefill_chunk,
+            max_context=NO_CONTEXT_LIMIT,
+            eos=eos,
+        )
         try:
             match job.task:
                 case GenerateTask() as task:
-                    _generate(leader, job, task)
+                    _generate(engine, tokenizer, task)
                 case TraceTask() as task:
-                    _trace(leader, task)
+                    _trace(engine, task)
                 case BenchTask() as task:
                     from thunderpool.bench.engine_bench import bench_leader
 
-                    bench_leader(leader, task, group, emit)
+                    bench_leader(engine, task, group, emit)
         finally:
-            leader.shutdown()
+            engine.shutdown()
     emit(
         "rank_done",
         rank=group.rank(),
@@ -75,34 +87,59 @@ def run(job: RankJob) -> None:
     )
 
 
-def _generate(leader: Leader, job: RankJob, task: GenerateTask) -> None:
+def _tokenizer(job: RankJob):
     from mlx_lm.utils import load_tokenizer
 
     from thunderpool.engine.loader import read_config
 
-    model_dir = Path(job.model_dir)
-    config = read_config(model_dir)
-    tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    config = read_config(Path(job.model_dir))
+    return load_tokenizer(Path(job.model_dir), eos_token_ids=config.get("eos_token_id"))
+
+
+def _generate(engine: Engine, tokenizer, task: GenerateTask) -> None:
     if task.chat and tokenizer.chat_template:
         messages = [{"role": "user", "content": task.prompt}]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     else:
         prompt = tokenizer.encode(task.prompt)
-    params = SamplingParams(**task.sampling.model_dump())
-    for delta in leader.generate_text(list(prompt), params, tokenizer):
-        emit("text", text=delta)
-    emit("done", **leader.stats.as_dict())
+    params = task.sampling
+    last = []
+
+    def on_delta(d) -> None:
+        if d.text:
+            emit("text", text=d.text)
+        if d.finish_reason:
+            last.append(d)
+
+    edge = TextEdge(tokenizer, params, on_delta, engine.cancel)
+    engine.generate(list(prompt), params, edge)
+    end, ttft = last[0], edge.first_at - edge.submitted
+    decode_s = edge.last_at - edge.first_at
+    steps = end.completion_tokens - 1
+    emit(
+        "done",
+        prompt_tokens=end.prompt_tokens,
+        generated_tokens=end.completion_tokens,
+        ttft_s=ttft,
+        prefill_tps=end.prompt_tokens / ttft if ttft else 0.0,
+        decode_tps=steps / decode_s if steps > 0 and decode_s else 0.0,
+        finish_reason=end.finish_reason,
+    )
 
 
-def _trace(leader: Leader, task: TraceTask) -> None:
-    fields = task.sampling.model_dump() | {"max_tokens": task.max_tokens}
-    params = SamplingParams(**fields)
+def _trace(engine: Engine, task: TraceTask) -> None:
+    params = replace(task.sampling, max_tokens=task.max_tokens)
     tokens, logits = [], []
     for prompt in task.prompts:
-        steps = list(leader.generate_ids(list(prompt), params, keep_logits=task.keep_logits))
-        tokens.append([s.token for s in steps])
+        mine, rows = [], []
         if task.keep_logits:
-            logits.append(np.stack([np.array(s.logits[0].astype(mx.float32)) for s in steps]))
+            engine.executor.on_logits = lambda sids, out, rows=rows: rows.append(
+                np.array(out[0].astype(mx.float32))
+            )
+        engine.generate(list(prompt), params, lambda ev, mine=mine: mine.append(ev.token))
+        tokens.append(mine)
+        if task.keep_logits:
+            logits.append(np.stack(rows))
     arrays = {"tokens": np.array(tokens, dtype=np.int64)}
     if task.keep_logits:
         arrays["logits"] = np.stack(logits)

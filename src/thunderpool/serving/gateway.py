@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from thunderpool.engine import link
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.service import Delta, EngineInfo, EngineStatus
-from thunderpool.serving import link
 
 CONNECT_TIMEOUT_S = 10.0
 log = logging.getLogger("thunderpool.gateway")
@@ -187,19 +187,12 @@ class Gateway:
             req = self._requests.get(msg.id)
             if req is None or generation != self._generation:
                 return  # cancelled, ended by a loss, or from an instance already lost
-            delta = Delta(
-                msg.text,
-                msg.finish_reason,
-                msg.prompt_tokens,
-                msg.completion_tokens,
-                msg.error,
-                tuple(msg.tokens),
-            )
-            if req.replayable and msg.finish_reason is None:
+            delta = msg.delta
+            if req.replayable and delta.finish_reason is None:
                 req.held.append(delta)
                 return
             req.started = True
-            if msg.finish_reason is not None:
+            if delta.finish_reason is not None:
                 del self._requests[msg.id]
             deltas, req.held = [*req.held, delta], []
         for d in deltas:
@@ -207,14 +200,4 @@ class Gateway:
 
 
 def _submit(req: _Request) -> link.Submit:
-    p = req.params
-    return link.Submit(
-        id=req.id,
-        prompt=req.prompt,
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        seed=p.seed,
-        stop=list(p.stop),
-    )
+    return link.Submit(id=req.id, prompt=req.prompt, params=req.params)

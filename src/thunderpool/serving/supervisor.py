@@ -15,9 +15,9 @@ from typing import Protocol
 
 from rich.console import Console
 
+from thunderpool.engine.link import FrameError
 from thunderpool.errors import LaunchError, ThunderpoolError
 from thunderpool.serving.gateway import Gateway
-from thunderpool.serving.link import FrameError
 from thunderpool.serving.view import ClusterView
 
 RETRY_S = 2.0  # between attempts to plan when the model fits nowhere

@@ -15,10 +15,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from thunderpool.engine.sampling import SamplingParams
-from thunderpool.engine.scheduler import Scheduler
+from thunderpool.engine import link
 from thunderpool.engine.service import Delta
-from thunderpool.serving import link
 
 METRICS_EVERY_S = 1.0
 log = logging.getLogger("thunderpool.link")
@@ -61,35 +59,13 @@ class _Connection(socketserver.BaseRequestHandler):
             return
         if not isinstance(msg, link.Submit):
             return
-        try:
-            params = SamplingParams(
-                max_tokens=msg.max_tokens,
-                temperature=msg.temperature,
-                top_p=msg.top_p,
-                top_k=msg.top_k,
-                seed=msg.seed,
-                stop=tuple(msg.stop),
-            )
-        except ValueError as e:
-            out.put(link.DeltaMsg(id=msg.id, text="", finish_reason="error", error=str(e)))
-            return
 
         def emit(d: Delta, rid: int = msg.id) -> None:
             if d.finish_reason is not None:
                 sids.pop(rid, None)
-            out.put(
-                link.DeltaMsg(
-                    id=rid,
-                    text=d.text,
-                    finish_reason=d.finish_reason,
-                    prompt_tokens=d.prompt_tokens,
-                    completion_tokens=d.completion_tokens,
-                    error=d.error,
-                    tokens=list(d.tokens),
-                )
-            )
+            out.put(link.DeltaMsg(id=rid, delta=d))
 
-        sids[msg.id] = scheduler.submit(msg.prompt, params, emit)
+        sids[msg.id] = scheduler.submit(msg.prompt, msg.params, emit)
 
     def _write(self, sock: socket.socket, out: queue.Queue) -> None:
         due = time.monotonic() + METRICS_EVERY_S  # Info goes first: the gateway waits for it
@@ -122,7 +98,7 @@ class LeaderServer(socketserver.ThreadingTCPServer):
         self,
         host: str,
         token: str,
-        scheduler: Scheduler,
+        scheduler,  # submit(prompt, params, emit) and cancel(id): sequence.TextRequests
         max_context: int,
         metrics: Callable[[], dict[str, float]],
     ):

@@ -18,6 +18,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from thunderpool.engine.sampling import SamplingParams
+from thunderpool.engine.service import Delta
+
 MAX_FRAME = 8 << 20  # a 128k-token prompt is ~1 MB of JSON
 AUTH_TIMEOUT_S = 5.0
 log = logging.getLogger("thunderpool.link")
@@ -41,12 +44,7 @@ class Submit(_Msg):
     kind: Literal["submit"] = "submit"
     id: int = Field(ge=0)
     prompt: list[int] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
-    temperature: float = Field(ge=0)
-    top_p: float = Field(gt=0, le=1)
-    top_k: int = Field(ge=0)
-    seed: int | None = None
-    stop: list[str] = []
+    params: SamplingParams  # validated here, once, by its own checks
 
 
 class Cancel(_Msg):
@@ -57,12 +55,7 @@ class Cancel(_Msg):
 class DeltaMsg(_Msg):
     kind: Literal["delta"] = "delta"
     id: int
-    text: str
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-    tokens: list[int] = []
+    delta: Delta
 
 
 class Info(_Msg):

@@ -1,0 +1,153 @@
+"""`Executor.execute(plan)`: the one place that issues collectives, run alike on every rank.
+
+The leader sends a plan, then executes it; a follower is `while plan := receive(): execute`.
+A step plan drops rows, runs a prefill chunk, joins the prefilled row, then runs a decode burst:
+step k is the exchange of [last, each row's token] (one int32 all_sum inside the graph,
+Control.burst_step) and the batch forward on the exchanged tokens. The leader decides `last`
+when it issues a step (the sink asks the scheduler); followers read it after issuing the step's
+forward, so every rank runs the same forwards. Where batch.overlaps says so (a GPU, one rank,
+PP, or cores to spare), the leader builds step k on step k-1's lazily sampled tokens before it
+delivers them; CPU TP ranks pinned to one core build step k once step k-1 is done. Either way
+is one rank's own choice: the collectives are the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import mlx.core as mx
+
+from thunderpool.engine.batch import BatchState, overlaps
+from thunderpool.engine.control import Control
+from thunderpool.engine.measure import collective_latency, solo_compute
+from thunderpool.engine.plan import Prefill, StepPlan
+from thunderpool.engine.runner import Runner
+from thunderpool.engine.sampling import Sampler, sample_rows
+from thunderpool.engine.wake import Waker
+
+
+class Sink(Protocol):
+    """The leader's side of a step: the scheduler behind the engine's inbox."""
+
+    def last_step(self) -> bool: ...
+
+    def deliver(self, sids: list[int], tokens: list[int]) -> None: ...
+
+
+class Executor:
+    def __init__(self, runner: Runner, control: Control, pipeline: bool | None = None):
+        self.runner, self.control = runner, control
+        self.leads = control.rank == 0
+        self.state = BatchState(runner)
+        self.pipeline = overlaps(runner) if pipeline is None else pipeline
+        self.waker = Waker(control)
+        self.samplers: dict[int, Sampler] = {}  # leader: each request's sampler
+        self.next: mx.array | None = None  # leader: each row's next input token (B,), lazy
+        self._first_logits: mx.array | None = None
+        # Leader: called with (sids, logits (B, V)) as their tokens are delivered (traces).
+        self.on_logits: Callable[[list[int], mx.array], None] | None = None
+
+    def execute(self, plan: StepPlan, sink: Sink | None = None):
+        """Runs `plan` on this rank; `sink` (leader only) takes the sampled tokens."""
+        self._drop(plan.drop)
+        match plan.op:
+            case "step":
+                first = self._prefill(plan.prefill, plan.join, sink) if plan.prefill else None
+                if plan.join:
+                    self.state.join(plan.join[0])
+                    if self.leads:
+                        rows = [first] if self.next is None else [self.next, first]
+                        self.next = mx.concatenate(rows)
+                if plan.decode:
+                    if self.leads:
+                        self._lead_burst(sink, plan.join[0] if plan.join else None)
+                    else:
+                        self._follow_burst()
+            case "park":
+                self.waker.park(plan.args)
+            case "probe":
+                shape, repeats, op = plan.args
+                return collective_latency(self.control.group, tuple(shape), repeats, op)
+            case "solo":
+                prompt, steps = plan.args
+                return solo_compute(self.runner, self.control.group, prompt, steps)
+        return None
+
+    def _drop(self, drop: tuple[int, ...]) -> None:
+        if not drop:
+            return
+        keep = self.state.drop(set(drop))
+        for sid in drop:
+            self.samplers.pop(sid, None)
+        if self.next is not None and keep is not None:
+            self.next = self.next[mx.array(keep)] if keep else None
+
+    def _prefill(self, p: Prefill, join: tuple[int, ...], sink: Sink | None) -> mx.array | None:
+        """Runs the chunk; on the prompt's last chunk the leader samples the first token
+        lazily (delivered by the burst, or here when the request ends with it)."""
+        if self.leads and p.sampling is not None:
+            self.samplers[p.sid] = Sampler(p.sampling)
+        out = self.state.prefill(p.sid, list(p.tokens))
+        if not (p.last and self.leads):
+            # Every rank's prefill completes before any exchange (the collectives' order).
+            if out is not None:
+                mx.eval(out)
+            if not p.last:
+                mx.clear_cache()
+            return None
+        y = self.samplers[p.sid](out)
+        if not join:
+            mx.eval(y)
+            self._deliver(sink, [p.sid], y, out)
+            return None
+        self._first_logits = out
+        return y
+
+    def _lead_burst(self, sink: Sink, fresh: int | None) -> None:
+        """Decode steps until the sink says last (module docstring). `fresh`: the row that
+        joined this plan, whose first token (the last of self.next) is not delivered yet."""
+        samplers = [self.samplers[sid] for sid in self.state.rows]
+        rows, y = len(samplers), self.next
+        logits = self._first_logits if fresh is not None else None
+        pending = ([fresh], y[-1:], logits) if fresh is not None else None
+        if self.pipeline:
+            mx.async_eval(y)
+        last = False
+        while not last:
+            if not self.pipeline and pending:
+                self._deliver(sink, *pending)
+            last = sink.last_step()
+            exchanged = self.control.burst_step(y, rows, last)
+            logits = self.state.decode(exchanged[1:])
+            nxt = sample_rows(logits, samplers)
+            if self.pipeline:
+                mx.async_eval(nxt)
+                if pending:
+                    self._deliver(sink, *pending)
+            pending, y = (list(self.state.rows), nxt, logits), nxt
+        self._deliver(sink, *pending)
+        self.next, self._first_logits = y, None
+
+    def _deliver(self, sink: Sink, sids: list[int], y: mx.array, logits) -> None:
+        tokens = y.tolist()
+        if self.on_logits is not None and logits is not None:
+            self.on_logits(sids, logits)
+        sink.deliver(sids, tokens)
+
+    def _follow_burst(self) -> None:
+        """The same decode steps as the leader's, until its exchange says last."""
+        rows, out = len(self.state.rows), None
+        while True:
+            exchanged = self.control.burst_step(None, rows)
+            if self.runner.stage is not None:
+                # PP: the exchange must complete before this stage's recv, as on the leader.
+                mx.eval(exchanged)
+            out = self.state.decode(exchanged[1:])
+            step = [exchanged, *([out] if out is not None else [])]
+            # Not pipelined: this step's compute has the core before the next one is built.
+            (mx.async_eval if self.pipeline else mx.eval)(*step)
+            if exchanged[0].item():
+                break
+        if out is not None:
+            mx.eval(out)

@@ -1,0 +1,113 @@
+"""Measurements every rank runs together (bench's step breakdown): collective latency, and
+each rank's decode compute alone with the collectives replaced by local stand-ins."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Iterator
+
+import mlx.core as mx
+
+from thunderpool.engine.batch import overlaps
+from thunderpool.engine.runner import Runner
+
+PROBES = {"all_sum": mx.distributed.all_sum, "all_gather": mx.distributed.all_gather}
+
+
+def collective_latency(
+    group: mx.distributed.Group, shape: tuple[int, ...], repeats: int, op: str = "all_sum"
+) -> float:
+    """Median seconds of one `op` (all_sum or all_gather) of `shape` floats across the group
+    (all ranks join)."""
+    if op not in PROBES:
+        raise RuntimeError(f"cannot probe {op!r}; one of {sorted(PROBES)}")
+    x, collective = mx.zeros(shape), PROBES[op]
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mx.eval(collective(x, group=group))
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+@contextlib.contextmanager
+def replaced(fns: dict) -> Iterator[None]:
+    """mx.distributed's functions named in `fns` replaced inside the block, restored after."""
+    originals = {name: getattr(mx.distributed, name) for name in fns}
+    try:
+        for name, fn in fns.items():
+            setattr(mx.distributed, name, fn)
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(mx.distributed, name, fn)
+
+
+@contextlib.contextmanager
+def solo_collectives() -> Iterator[None]:
+    """Inside the block collectives are local no-ops of the right shape (compute-only runs)."""
+    stand_ins = {
+        "all_sum": lambda x, *a, **k: x,
+        "send": lambda x, *a, **k: x,
+        "recv": lambda shape, dtype, *a, **k: mx.zeros(shape, dtype),
+        # Every rank's share of the split output head stands in for the others' (same shape).
+        "all_gather": lambda x, *a, group=None, **k: mx.concatenate([x] * _size(group)),
+    }
+    with replaced(stand_ins):
+        yield
+
+
+def _size(group) -> int:
+    return group.size() if group is not None else 1
+
+
+def solo_decode_ms(runner: Runner, prompt: list[int], steps: int) -> float:
+    """Median ms per decode step of this rank's shard alone, pipelined where the engine is."""
+    pipeline = overlaps(runner)
+    with solo_collectives():
+        cache = runner.make_cache()
+        out = runner.forward(mx.array([prompt]), cache)
+        token = _next_token(runner, out, prompt[-1])
+        mx.eval(token, *_arrays(out))
+        times, pending, last = [], None, time.perf_counter()
+        for _ in range(steps):
+            out = runner.forward(token[:, None], cache)
+            token = _next_token(runner, out, prompt[-1])
+            current = [token, *_arrays(out)]
+            # Stepped one at a time where the engine is (batch.overlaps).
+            (mx.async_eval if pipeline else mx.eval)(current)
+            if pending is not None:
+                mx.eval(pending)
+                now = time.perf_counter()
+                times.append(now - last)
+                last = now
+            pending = current
+        mx.eval(pending)
+        times.append(time.perf_counter() - last)
+    return statistics.median(times) * 1e3
+
+
+def _arrays(out: mx.array | None) -> list[mx.array]:
+    return [] if out is None else [out]
+
+
+def _next_token(runner: Runner, out: mx.array | None, fallback: int) -> mx.array:
+    """The leader samples greedily like a real step; followers feed a fixed token."""
+    if runner.is_leader and out is not None:
+        return mx.argmax(out, axis=-1)
+    return mx.array([fallback])
+
+
+def solo_compute(
+    runner: Runner, group: mx.distributed.Group, prompt: list[int], steps: int
+) -> list[float]:
+    """Every rank runs `solo_decode_ms` at once; returns each rank's median ms (all ranks)."""
+    mine = solo_decode_ms(runner, prompt, steps)
+    slots = [0.0] * group.size()
+    slots[group.rank()] = mine
+    if group.size() == 1:
+        return slots
+    summed = mx.distributed.all_sum(mx.array(slots), group=group, stream=mx.cpu)
+    return summed.tolist()

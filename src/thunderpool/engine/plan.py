@@ -1,0 +1,90 @@
+"""The one message of the engine: what every rank executes next (scheduler.py makes it).
+
+A StepPlan crosses the wire as small JSON bytes through Control's broadcast (no pickle). Every
+rank runs `Executor.execute(plan)` on the same plans in the same order, so every rank issues the
+same collectives by construction.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from pydantic import TypeAdapter
+
+from thunderpool.engine.sampling import SamplingParams
+
+Op = Literal["step", "park", "stop", "probe", "solo"]
+OPS = ("step", "park", "stop", "probe", "solo")
+_SAMPLING = TypeAdapter(SamplingParams)  # the API's schema, all the way to the rank
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    """One prompt chunk of request `sid`; `sampling` rides on its first chunk (the leader
+    makes the request's sampler from it) and `last` marks the prompt's last chunk."""
+
+    sid: int
+    tokens: tuple[int, ...]
+    last: bool
+    sampling: SamplingParams | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """op "step": drop finished rows, run one prefill chunk, join the rows in `join` (their
+    prefill is done), then, when `decode`, a decode burst of every row: steps whose tokens are
+    exchanged inside the graph until the leader's exchange says last (control.py).
+    "park": no work; followers sleep until woken (wake.py). "probe"/"solo": measurements."""
+
+    op: Op = "step"
+    drop: tuple[int, ...] = ()
+    prefill: Prefill | None = None
+    join: tuple[int, ...] = ()
+    decode: bool = False
+    args: tuple = ()  # probe: (shape, repeats, op); solo: (prompt, steps); park: wake address
+
+    def __post_init__(self):
+        if self.op not in OPS:
+            raise ValueError(f"unknown plan op {self.op!r}; one of {OPS}")
+        if self.join and (self.prefill is None or self.join != (self.prefill.sid,)):
+            raise ValueError(f"join={self.join} must be the sid of a prefill's last chunk")
+
+    def encode(self) -> bytes:
+        d: dict = {"op": self.op}
+        if self.drop:
+            d["drop"] = list(self.drop)
+        if self.prefill is not None:
+            p = self.prefill
+            d["pre"] = [p.sid, list(p.tokens), int(p.last)]
+            if p.sampling is not None:
+                d["pre"].append(asdict(p.sampling))
+        if self.join:
+            d["join"] = list(self.join)
+        if self.decode:
+            d["dec"] = 1
+        if self.args:
+            d["args"] = list(self.args)
+        return json.dumps(d, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode_bytes(cls, data: bytes) -> StepPlan:
+        d = json.loads(data)
+        prefill = None
+        if "pre" in d:
+            sid, tokens, last, *sampling = d["pre"]
+            params = _SAMPLING.validate_python(sampling[0]) if sampling else None
+            prefill = Prefill(int(sid), tuple(int(t) for t in tokens), bool(last), params)
+        return cls(
+            op=d["op"],
+            drop=tuple(int(s) for s in d.get("drop", ())),
+            prefill=prefill,
+            join=tuple(int(s) for s in d.get("join", ())),
+            decode=bool(d.get("dec")),
+            args=tuple(d.get("args", ())),
+        )
+
+
+PARK = StepPlan("park")
+STOP_PLAN = StepPlan("stop")
