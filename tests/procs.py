@@ -6,9 +6,9 @@ import contextlib
 import os
 from pathlib import Path
 
-# A rank's command line (`python -m thunderpool.engine.worker JOB`); mpirun's own mentions the
+# A rank's command line (`python -m thunderpool.rank JOB`); mpirun's own mentions the
 # module too, inside the boot script it runs.
-RANK = b"\x00-m\x00thunderpool.engine.worker\x00"
+RANK = b"\x00-m\x00thunderpool.rank\x00"
 
 
 def _processes() -> dict[int, tuple[int, bytes]]:
@@ -27,7 +27,7 @@ def _processes() -> dict[int, tuple[int, bytes]]:
 
 
 def workers_under(pid: int, deep: bool = False) -> set[int]:
-    """Rank processes (thunderpool.engine.worker) whose parent is `pid`, or with `deep` any
+    """Rank processes (thunderpool.rank) whose parent is `pid`, or with `deep` any
     ancestor (ranks under mpirun are its grandchildren)."""
     procs = _processes()
 

@@ -51,7 +51,7 @@ def workers(bed: Testbed, i: int) -> set[int]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"thunderpool.engine.worker" in cmd:
+        if b"thunderpool.rank" in cmd:
             pids.add(int(pid))
     return pids
 

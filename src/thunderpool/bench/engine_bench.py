@@ -125,7 +125,7 @@ def run_ours(engine: Engine, prompt: list[int], max_tokens: int, meter=None) -> 
     return Run(tokens, len(prompt), t1 - start, last - t1, prefill_j, decode_j)
 
 
-# --- on the leader rank of an instance (called by engine/worker.py) -------------------------
+# --- on the leader rank of an instance (called by thunderpool/rank.py) -------------------------
 
 
 def bench_leader(engine: Engine, task: BenchTask, group: mx.distributed.Group, emit) -> None:

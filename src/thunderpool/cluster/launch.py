@@ -26,8 +26,8 @@ from pathlib import Path
 
 from thunderpool.cluster.blas import fast_blas_env
 from thunderpool.engine.job import RankJob
-from thunderpool.engine.worker import EVENT_PREFIX
 from thunderpool.errors import LaunchError
+from thunderpool.rank import EVENT_PREFIX
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +185,7 @@ class LocalInstance(Launcher):
         for rank in range(n):
             cpu = self.cpus[rank % len(self.cpus)] if self.pin else None
             proc = subprocess.Popen(
-                [sys.executable, "-m", "thunderpool.engine.worker", str(job_file)],
+                [sys.executable, "-m", "thunderpool.rank", str(job_file)],
                 env={**env, "MLX_RANK": str(rank), **one_core_env(cpu)},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,

@@ -49,7 +49,7 @@ if os.getppid() != mpirun:
 job, out, rank = sys.argv[1], sys.argv[2], os.environ["OMPI_COMM_WORLD_RANK"]
 for fd, name in ((1, "out"), (2, "err")):
     os.dup2(os.open(f"{out}/{name}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-os.execv(sys.executable, [sys.executable, "-m", "thunderpool.engine.worker", job])
+os.execv(sys.executable, [sys.executable, "-m", "thunderpool.rank", job])
 """
 _POLL_S = 0.02
 

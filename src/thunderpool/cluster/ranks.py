@@ -26,7 +26,7 @@ from thunderpool.cluster.launch import child_setup, one_core_env
 from thunderpool.cluster.messages import RankSpec
 from thunderpool.config import LINK_TOKEN_ENV
 from thunderpool.engine.job import RankJob
-from thunderpool.engine.worker import EVENT_PREFIX
+from thunderpool.rank import EVENT_PREFIX
 
 # A coordinator polls every instance several times a second; silence this long means it is
 # gone or cut off, and ranks left running would hang in collectives forever.
@@ -103,7 +103,7 @@ class RankManager:
             path = tmp / f"{var.lower()}-{spec.rank}.json"
             path.write_text(content)
             env[var] = str(path)
-        argv = [sys.executable, "-m", "thunderpool.engine.worker", str(job_file)]
+        argv = [sys.executable, "-m", "thunderpool.rank", str(job_file)]
         proc = self._spawner.submit(_spawn, argv, env, spec.cpu).result()
         rank = _Rank(spec.rank, proc)
         inst.ranks[spec.rank] = rank

@@ -1,15 +1,10 @@
-"""A rank process: `python -m thunderpool.engine.worker JOB.json`, started by the launcher.
-
-Events for the launcher go to stdout as `TPEV {json}` lines; logs and errors go to stderr.
-A failure exits non-zero so that the launcher stops every other rank of the instance.
+"""One-shot jobs on a loaded instance (generate, trace, bench): the leader runs the engine, the
+other ranks follow its plans. The rank process (thunderpool/rank.py) calls `run`.
 """
 
 from __future__ import annotations
 
-import json
-import sys
-import time
-import traceback
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,39 +13,24 @@ import numpy as np
 
 from thunderpool.engine.control import Control
 from thunderpool.engine.engine import Engine, follow
-from thunderpool.engine.job import BenchTask, GenerateTask, RankJob, ServeTask, TraceTask
+from thunderpool.engine.job import GenerateTask, RankJob, TraceTask
 from thunderpool.engine.loader import Layout, load_shard, peak_rss_bytes
 from thunderpool.engine.sequence import TextEdge
-from thunderpool.errors import ThunderpoolError
 
-EVENT_PREFIX = "TPEV "
 NO_CONTEXT_LIMIT = 1 << 62  # generate, trace and bench stop at max_tokens only
+Emit = Callable[..., None]
 
 
-def emit(kind: str, **fields) -> None:
-    print(EVENT_PREFIX + json.dumps({"kind": kind, **fields}), flush=True)
-
-
-def load_progress(rank: int):
-    """Report each rank's loading to the launcher, which draws one progress bar."""
-    return lambda fraction: emit("progress", rank=rank, fraction=round(fraction, 3))
-
-
-def run(job: RankJob) -> None:
-    if job.world_size > 1:
-        group = mx.distributed.init(backend=job.backend, strict=True)
-    else:
-        group = mx.distributed.init()
-    if group.size() != job.world_size:
-        raise ThunderpoolError(f"MLX formed a group of {group.size()}, expected {job.world_size}")
-    layout = Layout(job.parallel, job.tp_weights, job.layer_split)
-    if isinstance(job.task, ServeTask):
-        from thunderpool.engine.serve import serve
-
-        return serve(job, job.task, group, layout, emit, load_progress(group.rank()))
-    runner, config, stats = load_shard(
-        Path(job.model_dir), group, layout, load_progress(group.rank())
-    )
+def run(
+    job: RankJob,
+    group: mx.distributed.Group,
+    layout: Layout,
+    emit: Emit,
+    progress: Callable[[float], None],
+    lead: Callable[[Engine], None] | None = None,
+) -> None:
+    """Load this rank's shard, then lead (generate, trace, or `lead` for other tasks) or follow."""
+    runner, config, stats = load_shard(Path(job.model_dir), group, layout, progress)
     emit("loaded", **stats.as_event())
     control = Control(group)
     if not runner.is_leader:
@@ -70,13 +50,12 @@ def run(job: RankJob) -> None:
         try:
             match job.task:
                 case GenerateTask() as task:
-                    _generate(engine, tokenizer, task)
+                    _generate(engine, tokenizer, task, emit)
                 case TraceTask() as task:
-                    _trace(engine, task)
-                case BenchTask() as task:
-                    from thunderpool.bench.engine_bench import bench_leader
-
-                    bench_leader(engine, task, group, emit)
+                    _trace(engine, task, emit)
+                case _:
+                    assert lead is not None, f"no leader for {type(job.task).__name__}"
+                    lead(engine)
         finally:
             engine.shutdown()
     emit(
@@ -96,7 +75,7 @@ def _tokenizer(job: RankJob):
     return load_tokenizer(Path(job.model_dir), eos_token_ids=config.get("eos_token_id"))
 
 
-def _generate(engine: Engine, tokenizer, task: GenerateTask) -> None:
+def _generate(engine: Engine, tokenizer, task: GenerateTask, emit: Emit) -> None:
     if task.chat and tokenizer.chat_template:
         messages = [{"role": "user", "content": task.prompt}]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -127,7 +106,7 @@ def _generate(engine: Engine, tokenizer, task: GenerateTask) -> None:
     )
 
 
-def _trace(engine: Engine, task: TraceTask) -> None:
+def _trace(engine: Engine, task: TraceTask, emit: Emit) -> None:
     params = replace(task.sampling, max_tokens=task.max_tokens)
     tokens, logits = [], []
     for prompt in task.prompts:
@@ -145,24 +124,3 @@ def _trace(engine: Engine, task: TraceTask) -> None:
         arrays["logits"] = np.stack(logits)
     np.savez(task.out, **arrays)
     emit("done", out=task.out)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        job = RankJob.model_validate_json(Path(argv[0]).read_text())
-        run(job)
-        return 0
-    except ThunderpoolError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except Exception:
-        traceback.print_exc()
-        return 1
-    finally:
-        sys.stdout.flush()
-        time.sleep(0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

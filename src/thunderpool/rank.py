@@ -1,0 +1,78 @@
+"""A rank process: `python -m thunderpool.rank JOB.json`, started by the launcher.
+
+Events for the launcher go to stdout as `TPEV {json}` lines; logs and errors go to stderr.
+A failure exits non-zero so that the launcher stops every other rank of the instance. This is
+the one place that picks the task's code, so the engine imports neither serving nor bench.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import mlx.core as mx
+
+from thunderpool.engine.job import BenchTask, RankJob, ServeTask
+from thunderpool.engine.loader import Layout
+from thunderpool.errors import ThunderpoolError
+
+EVENT_PREFIX = "TPEV "
+
+
+def emit(kind: str, **fields) -> None:
+    print(EVENT_PREFIX + json.dumps({"kind": kind, **fields}), flush=True)
+
+
+def load_progress(rank: int):
+    """Report each rank's loading to the launcher, which draws one progress bar."""
+    return lambda fraction: emit("progress", rank=rank, fraction=round(fraction, 3))
+
+
+def run(job: RankJob) -> None:
+    if job.world_size > 1:
+        group = mx.distributed.init(backend=job.backend, strict=True)
+    else:
+        group = mx.distributed.init()
+    if group.size() != job.world_size:
+        raise ThunderpoolError(f"MLX formed a group of {group.size()}, expected {job.world_size}")
+    layout = Layout(job.parallel, job.tp_weights, job.layer_split)
+    progress = load_progress(group.rank())
+    match job.task:
+        case ServeTask() as task:
+            from thunderpool.engine.serve import serve
+
+            serve(job, task, group, layout, emit, progress)
+        case BenchTask() as task:
+            from thunderpool.bench.engine_bench import bench_leader
+            from thunderpool.engine import oneshot
+
+            def lead(engine) -> None:
+                bench_leader(engine, task, group, emit)
+
+            oneshot.run(job, group, layout, emit, progress, lead)
+        case _:
+            from thunderpool.engine import oneshot
+
+            oneshot.run(job, group, layout, emit, progress)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        job = RankJob.model_validate_json(Path(argv[0]).read_text())
+        run(job)
+        return 0
+    except ThunderpoolError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except Exception:
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
