@@ -202,7 +202,7 @@ def cluster_launch(monkeypatch, plans, **flags):
     monkeypatch.setattr(
         cluster_cli,
         "ClusterInstance",
-        lambda coord, state, order, job, timeout: launched.append((order, job)) or job,
+        lambda coord, state, order, job, timeout, **_: launched.append((order, job)) or job,
     )
     args = SimpleNamespace(**{"parallel": None, "nodes": None, "allow_untested": False, **flags})
     console = Console(record=True, width=300)
