@@ -181,6 +181,47 @@ FAMILIES: dict[str, Family] = {
         features="MLA, shared + routed experts, dense-then-MoE (first_k_dense_replace)",
         refuses={"tp3": r"deepseek_v3 \(MLA attention\) .* tp=3 .* use tp in \[2, 4\]"},
     ),
+    # GLM-5: deepseek_v3's MLA and MoE plus DeepSeek Sparse Attention, whose indexer (its own
+    # heads, a key cache beside the latent one) keeps the index_topk best keys per query:
+    # 32, far fewer than the long prompt, so the selection decides the output. 16 indexer heads,
+    # not 8: with 8, whole rows of relu'd scores tie at 0 on the top-k boundary and the chosen
+    # keys depend on summation order (16: the closest boundary gap is 1.4e-4 relative).
+    "glm_moe_dsa": Family(
+        {
+            **BASE,
+            "model_type": "glm_moe_dsa",
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "index_n_heads": 16,
+            "index_head_dim": 16,
+            "index_topk": 32,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+            "moe_layer_freq": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "attention_bias": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "tie_word_embeddings": False,
+        },
+        pp2=(2, 2),
+        pp3=(1, 1, 2),
+        features="MLA, sparse-attention indexer, shared experts, dense-then-MoE",
+        refuses={"tp3": r"glm_moe_dsa \(MLA attention\) .* tp=3 .* use tp in \[2, 4\]"},
+    ),
     # GLM-4.5: partial rotary, QK-norm, attention biases, shared experts, dense first layer.
     "glm4_moe": Family(
         {
