@@ -43,6 +43,8 @@ TP_METHOD = {
     ("gemma3_text", 2): "uneven",  # mlx-lm's gemma3_text has no shard()
     ("gemma3_text", 3): "uneven",
     ("deepseek_v3", 2): "mlx-lm",
+    ("glm_moe_dsa", 2): "mlx-lm",
+    ("deepseek_v32", 2): "mlx-lm",
     ("glm4_moe", 2): "mlx-lm",
     ("glm4_moe", 3): "uneven",  # shared experts split with the routed ones
     ("gpt_oss", 2): "mlx-lm",

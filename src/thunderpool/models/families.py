@@ -22,6 +22,8 @@ VERIFIED: dict[str, tuple[str, ...]] = {
     "qwen3_moe": ("tp", "pp"),
     "gemma3_text": ("tp", "pp"),
     "deepseek_v3": ("tp", "pp"),  # TP in equal shares only (MLA): tensor.check refuses the rest
+    "deepseek_v32": ("tp", "pp"),  # DeepSeek V3.2; TP in equal shares only (MLA)
+    "glm_moe_dsa": ("tp", "pp"),  # GLM-5; TP in equal shares only (MLA)
     "glm4_moe": ("tp", "pp"),
     "gpt_oss": ("tp", "pp"),  # TP in equal shares only (attention sinks)
     "mixtral": ("tp", "pp"),

@@ -153,11 +153,14 @@ def _advance_others(cache: list, local: range, B: int, L: int, dtype: mx.Dtype) 
     """Move the caches of other stages' layers on by L tokens, as their layers would have:
     keys of zero heads and zero width keep offsets, rotation and batch padding exact (so
     masks built from any layer's cache are right) and hold no memory. Recurrent state
-    caches (ArraysCache) carry no position and stay empty."""
+    caches (ArraysCache) carry no position and stay empty; a CacheList (DeepSeek V3.2's
+    latent and indexer caches) advances each of its caches."""
     empty = mx.zeros((B, 0, L, 0), dtype)
     for i, c in enumerate(cache):
-        if i not in local and hasattr(c, "update_and_fetch"):
-            c.update_and_fetch(empty, empty)
+        if i not in local:
+            for part in getattr(c, "caches", (c,)):
+                if hasattr(part, "update_and_fetch"):
+                    part.update_and_fetch(empty, empty)
 
 
 def _float_dtype(module: nn.Module) -> mx.Dtype:
