@@ -24,6 +24,7 @@ from thunderpool.cluster.launch import free_ports  # noqa: E402
 from thunderpool.engine import engine  # noqa: E402
 from thunderpool.engine.control import Control  # noqa: E402
 from thunderpool.engine.loader import Layout, load_shard  # noqa: E402
+from thunderpool.engine.plan import STOP_PLAN  # noqa: E402
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -39,7 +40,7 @@ def main(spec_path: str, out_path: str) -> None:
     try:
         result = run_scenario(runner, control, None, spec)
     finally:
-        control.send({"op": "stop"})
+        control.send(STOP_PLAN.encode())
     Path(out_path).write_text(json.dumps(result))
 
 
