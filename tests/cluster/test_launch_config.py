@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from thunderpool.cluster.coordinator import jaccl_config, ring_hostfile
+from thunderpool.cluster.coordinator import jaccl_config, ring_hostfile, ring_port_base
+from thunderpool.cluster.launch import free_ports
 from thunderpool.cluster.messages import Hello, Interface, LinkMeasured, NodeInfo
 from thunderpool.cluster.state import ClusterState, apply
 
@@ -108,3 +109,13 @@ def test_ranks_sharing_a_machine_get_their_own_cores():
         update={"nodes": {k: v.model_copy(update={"host_id": "box1"}) for k, v in nodes.items()}}
     )
     assert core_assignment(crowded, ["a", "b", "c"]) == {}
+
+
+def test_ring_ports_stay_below_the_ephemeral_range_and_differ_from_recent_launches():
+    # An outgoing connection takes ports from 32768 up (Linux) and a previous instance's ports
+    # may sit in TIME_WAIT: either would make a rank's bind fail with EADDRINUSE.
+    bases = [ring_port_base(4) for _ in range(32)]
+    assert len(set(bases)) == 32
+    assert all(29500 <= b and b + 4 <= 32768 for b in bases)
+    ports = free_ports(3)
+    assert len(set(ports)) == 3 and all(p < 32768 for p in ports)

@@ -9,9 +9,11 @@ same command there (`--join` any agent of the cluster).
 from __future__ import annotations
 
 import math
+import random
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,6 +38,7 @@ from thunderpool.planner.placement import Plan
 from thunderpool.planner.presets import live_collective_overhead_s, live_op_latency_s
 
 RING_PORT_BASE = 29500
+RING_PORT_LAST = 32760  # below Linux's ephemeral ports (32768+)
 # An agent that does not answer within this is lost: the loss is seen within ~2.5 s.
 NODE_TIMEOUT_S = 2.0
 
@@ -156,6 +159,19 @@ def node_specs(state: ClusterState) -> tuple[list[NodeSpec], list[LinkSpec]]:
     return nodes, links
 
 
+_recent_bases: deque[int] = deque(maxlen=32)
+
+
+def ring_port_base(n: int) -> int:
+    """A ring port base for n ranks, below every OS's ephemeral range (so no outgoing
+    connection holds it) and unlike the last launches' (whose ports may sit in TIME_WAIT)."""
+    slots = (RING_PORT_LAST - RING_PORT_BASE - n) // 8
+    while (base := RING_PORT_BASE + 8 * random.randrange(slots)) in _recent_bases:
+        pass
+    _recent_bases.append(base)
+    return base
+
+
 def ring_hostfile(state: ClusterState, order: list[str], base_port: int) -> str:
     """Each rank listens on its address on the link from the previous rank (MLX ring)."""
     import json
@@ -263,7 +279,7 @@ class ClusterInstance:
 
     def start(self) -> None:
         n = len(self.order)
-        port = RING_PORT_BASE + (int(self.instance_id, 16) % 2000) * 4
+        port = ring_port_base(n)
         files, env, job = {}, {}, self.job
         jaccl = jaccl_config(self.state, self.order, port)
         if jaccl is not None:

@@ -12,6 +12,7 @@ import ctypes
 import json
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -36,14 +37,29 @@ class RankEvent:
     event: dict
 
 
+# Ports below every OS's ephemeral range (Linux 32768+, macOS 49152+): a port picked here cannot
+# be handed to an outgoing connection between our check and the rank's bind.
+PORT_RANGE = (20000, 32760)
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """n distinct free TCP ports, held open together so they cannot collide with each other."""
-    socks = []
+    """n distinct free TCP ports below the ephemeral range, held open together while picked.
+    Bound without SO_REUSEADDR, so a port a previous instance left in TIME_WAIT is skipped."""
+    socks: list[socket.socket] = []
+    rng = random.Random()
     try:
-        for _ in range(n):
+        for _ in range(200 * n):
+            if len(socks) == n:
+                break
             s = socket.socket()
-            s.bind((host, 0))
+            try:
+                s.bind((host, rng.randrange(*PORT_RANGE)))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
+        if len(socks) < n:
+            raise LaunchError(f"found only {len(socks)} of {n} free ports in {PORT_RANGE}")
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
