@@ -16,7 +16,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from batch_family import run_batch
+from batch_ranks import run_ranks
 from conftest import run_trace
 from families import FAMILIES, family_prompts, make_family, transformers_dir
 from mlx.utils import tree_flatten
@@ -146,7 +146,7 @@ def test_sharded_matches_unsharded(kind, layout, family_dirs, references, tmp_pa
             preflight(family_dirs[kind], nodes, Layout(parallel))
         return
     if layout == "batch":
-        got = run_batch(batch_spec(family_dirs[kind], family.pp2), len(family.pp2), tmp_path)
+        got = run_ranks(batch_spec(family_dirs[kind], family.pp2), tmp_path, nodes=len(family.pp2))
         assert [o["tokens"] for o in got["out"]] == [*tokens.tolist(), tokens[0].tolist()]
         assert got["left"] == [[], True, 0]  # every row left the batch
         return

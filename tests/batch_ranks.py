@@ -4,8 +4,9 @@ A scenario is JSON: requests (token prompts, sampling) that arrive when a given 
 emitted n tokens, cancellations at a request's n-th token, an optional eos override, and
 `pipeline` (None: each rank's default, batch.overlaps). Arrivals
 and cancellations happen inside the emit callback, so inside a decode burst when one runs.
-`run_ranks` starts two rank processes (MLX ring on loopback, with a timeout); rank 0 drives
-the Engine and rank 1 follows: `python batch_ranks.py SPEC.json OUT.json`.
+`run_ranks` starts the rank processes (MLX ring on loopback, with a timeout) of any layout
+(`parallel`, `layer_split`); rank 0 drives the Engine and the others follow:
+`python batch_ranks.py SPEC.json OUT.json`.
 """
 
 from __future__ import annotations
@@ -118,7 +119,9 @@ def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     group = mx.distributed.init(backend="ring", strict=True)
     model = Path(spec["model"])
-    runner, config, _ = load_shard(model, group, Layout(spec.get("parallel", "tp")))
+    split = tuple(spec["layer_split"]) if spec.get("layer_split") else None
+    layout = Layout(spec.get("parallel", "tp"), layer_split=split)
+    runner, config, _ = load_shard(model, group, layout)
     control = Control(group)
     if group.rank() != 0:
         if spec.get("pipeline") is not None:
@@ -137,18 +140,18 @@ def main(spec_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(result))
 
 
-def run_ranks(spec: dict, tmp: Path, timeout: float = 180.0) -> dict:
-    """Runs `spec` on two ring ranks on loopback; returns rank 0's `run_scenario` result."""
+def run_ranks(spec: dict, tmp: Path, timeout: float = 240.0, nodes: int = 2) -> dict:
+    """Runs `spec` on `nodes` ring ranks on loopback; returns rank 0's `run_scenario` result."""
     spec_file, out_file, hosts = tmp / "spec.json", tmp / "out.json", tmp / "hosts.json"
     spec_file.write_text(json.dumps(spec))
-    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
-    procs, logs = [], [tmp / f"rank{r}.log" for r in range(2)]
-    # A core each, as mpirun and pinned cluster ranks run: `pipeline` None then takes the
-    # pinned CPU rank's default (batch.overlaps: one step after another).
+    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(nodes)]))
+    procs, logs = [], [tmp / f"rank{r}.log" for r in range(nodes)]
+    # A core each where there are enough, as mpirun and pinned cluster ranks run: `pipeline`
+    # None then takes the pinned CPU rank's default (batch.overlaps: one step after another).
     cores = sorted(os.sched_getaffinity(0))
     try:
-        for rank in range(2):
-            cpu = cores[rank] if len(cores) > 1 else None
+        for rank in range(nodes):
+            cpu = cores[rank] if 1 < nodes <= len(cores) else None
             env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hosts)}
             with logs[rank].open("w") as log:
                 procs.append(
@@ -163,7 +166,7 @@ def run_ranks(spec: dict, tmp: Path, timeout: float = 180.0) -> dict:
                     )
                 )
         codes = [p.wait(timeout=timeout) for p in procs]
-        assert codes == [0, 0], "\n".join(f.read_text()[-3000:] for f in logs)
+        assert codes == [0] * nodes, "\n".join(f.read_text()[-3000:] for f in logs)
     finally:
         for p in procs:
             if p.poll() is None:
