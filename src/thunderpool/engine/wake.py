@@ -37,8 +37,11 @@ class Waker:
         if self.control.size == 1:
             return ()
         if self.listener is None:
-            self.listener = socket.create_server(("0.0.0.0", 0))
-            return (self.listener.getsockname()[1], leader_hosts())
+            # Only on the address the ranks already talk over, where one is configured.
+            fabric = fabric_host()
+            self.listener = socket.create_server((fabric or "0.0.0.0", 0))
+            hosts = [fabric] if fabric else leader_hosts()
+            return (self.listener.getsockname()[1], hosts)
         return ()
 
     def park(self, args: tuple) -> None:
@@ -117,14 +120,19 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return data
 
 
-def leader_hosts() -> list[str]:
-    """Addresses the followers may reach the leader at: rank 0's ring address first."""
-    hosts: list[str] = []
+def fabric_host() -> str | None:
+    """Rank 0's address on the ranks' own fabric: its ring address, or jaccl's coordinator."""
     with contextlib.suppress(OSError, ValueError, KeyError, IndexError, TypeError):
         ring = json.loads(open(os.environ["MLX_HOSTFILE"]).read())  # noqa: SIM115
-        hosts.append(ring[0][0].rsplit(":", 1)[0])
+        return ring[0][0].rsplit(":", 1)[0] or None
     with contextlib.suppress(KeyError, ValueError):
-        hosts.append(os.environ["MLX_JACCL_COORDINATOR"].rsplit(":", 1)[0])
+        return os.environ["MLX_JACCL_COORDINATOR"].rsplit(":", 1)[0] or None
+    return None
+
+
+def leader_hosts() -> list[str]:
+    """Addresses the followers may reach the leader at when no fabric address is known."""
+    hosts: list[str] = []
     with contextlib.suppress(OSError):
         hosts += socket.gethostbyname_ex(socket.gethostname())[2]
     hosts.append("127.0.0.1")
