@@ -151,3 +151,15 @@ def test_history_keeps_points_with_latencies_of_their_interval(monkeypatch):
     assert p2["ttft_s"] is None and p2["latency_p95_s"] is None
     assert len(client.get("/v1/stats/history").json()["points"]) == 4
     assert client.get("/v1/stats/history", params={"since": "soon"}).status_code == 400
+
+
+def test_history_is_sampled_while_the_app_runs_without_anyone_reading_it():
+    import time
+
+    app = create_app(FakeEngine())
+    with TestClient(app):  # runs the lifespan, as uvicorn does
+        deadline = time.monotonic() + 30
+        while not app.state.history.points:
+            assert time.monotonic() < deadline, "the sampler never took a point"
+            time.sleep(0.05)
+    assert app.state.history.points[0]["tok_s"] == 41.5

@@ -99,6 +99,7 @@ def create_app(
             await sampler
 
     app = FastAPI(title="thunderpool", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.history = history
     guarded = [Depends(api_key_guard(api_key))]
     doc = partial(openapi.route, guarded=api_key is not None)
     generating = (400, 404, 503)  # what a completion answers besides 200 (and 401)
