@@ -159,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt + completion tokens per request (default: the model's limit)",
     )
     srv.add_argument("--prefill-chunk", type=_positive, default=512)
+    srv.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="add each prompt's text to its access-log line (off: prompts stay private)",
+    )
 
     from thunderpool.chat import add_chat_parser
     from thunderpool.cluster.cli import add_cluster_args, add_plan_parser

@@ -30,6 +30,14 @@ def load_progress(rank: int):
     return lambda fraction: emit("progress", rank=rank, fraction=round(fraction, 3))
 
 
+def runtime(job: RankJob) -> dict:
+    """What this rank runs on, for /v1/cluster and serve's startup lines: its BLAS (the
+    preloaded fast one, or the wheel's slow reference one) and its collective backend."""
+    from thunderpool.cluster.blas import in_use
+
+    return {**in_use(), "backend": job.backend if job.world_size > 1 else None}
+
+
 def run(job: RankJob) -> None:
     if job.world_size > 1:
         group = mx.distributed.init(backend=job.backend, strict=True)
@@ -37,6 +45,7 @@ def run(job: RankJob) -> None:
         group = mx.distributed.init()
     if group.size() != job.world_size:
         raise ThunderpoolError(f"MLX formed a group of {group.size()}, expected {job.world_size}")
+    emit("runtime", **runtime(job))
     layout = Layout(job.parallel, job.tp_weights, job.layer_split)
     progress = load_progress(group.rank())
     match job.task:

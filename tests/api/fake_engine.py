@@ -3,6 +3,7 @@
 The prompt's text picks the script: "forever" streams until closed, "explode" raises after
 one delta, "fail" ends with an error delta; anything else answers "Hello world". "forever" is
 not a generator but an iterator that only `aclose()` ends, so the API must close it itself.
+"Hello world" carries the leader's timing as TIMING says (queue, TTFT, gap, elapsed).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ METRICS = {
     "rank0_memory_bytes": 1000,
     "rank1_memory_bytes": 2000,
 }
+# What the "Hello world" deltas report: queued 3 ms, first token at 0.3 s, the next 40 ms on.
+TIMING = {"queued_s": 0.003, "ttft_s": 0.3, "gap_s": 0.04, "elapsed_s": 0.34}
 
 
 class CharTokenizer:
@@ -92,10 +95,12 @@ class FakeEngine:
                 yield Delta("", "error", len(prompt), 0, error="out of KV cache")
                 return
             words = ["Hello", " world"][: params.max_tokens]
-            for w in words:
-                yield Delta(w)
+            first = {"queued_s": TIMING["queued_s"], "ttft_s": TIMING["ttft_s"]}
+            for i, w in enumerate(words):
+                yield Delta(w, tokens=(i + 1,), **(first if i == 0 else {"gap_s": TIMING["gap_s"]}))
             finished = True
-            yield Delta("", "stop" if len(words) == 2 else "length", len(prompt), len(words))
+            reason = "stop" if len(words) == 2 else "length"
+            yield Delta("", reason, len(prompt), len(words), elapsed_s=TIMING["elapsed_s"])
         finally:
             if not finished:
                 self.cancelled.set()

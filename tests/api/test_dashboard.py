@@ -40,9 +40,15 @@ CLUSTER = {
             "param_bytes": params * GIB,
             "peak_rss_bytes": peak * GIB,
             "speed": {"mem_bw_gbps": bw},
+            "blas": blas,
+            "backend": "ring" if blas else None,
         }
-        for i, (total, used, params, peak, bw) in enumerate(
-            [(128, 61, 48, 58, 546.0), (64, 30, 24, 29, 273.0), (64, 29, 24, 28, None)]
+        for i, (total, used, params, peak, bw, blas) in enumerate(
+            [
+                (128, 61, 48, 58, 546.0, "BLIS"),
+                (64, 30, 24, 29, 273.0, "reference"),
+                (64, 29, 24, 28, None, None),
+            ]
         )
     ],
     "links": [
@@ -88,10 +94,37 @@ thunderpool_queue_depth 2
 thunderpool_active_requests 3
 thunderpool_requests_total 17
 thunderpool_tokens_generated_total 5120
+thunderpool_prompt_tokens_total 4096
+thunderpool_prefix_cache_hit_tokens_total 1024
 thunderpool_rank_memory_bytes{rank="0"} 5.1e10
 thunderpool_rank_memory_bytes{rank="1"} 2.6e10
 thunderpool_rank_memory_bytes{rank="2"} 2.6e10
 """
+
+# The server's history: an idle point, then two with requests in their intervals.
+HISTORY = [
+    {"t": 1000.0, "tok_s": 10.0, "ttft_s": None, "ttft_p95_s": None, "latency_s": None},
+    {
+        "t": 1002.0,
+        "tok_s": 20.0,
+        "ttft_s": 0.3,
+        "ttft_p95_s": 0.45,
+        "latency_s": 1.5,
+        "latency_p95_s": 1.9,
+        "itl_s": 0.05,
+        "queue_s": 0.01,
+    },
+    {
+        "t": 1004.0,
+        "tok_s": 30.0,
+        "ttft_s": 0.25,
+        "ttft_p95_s": 0.4,
+        "latency_s": 2.25,
+        "latency_p95_s": 2.5,
+        "itl_s": 0.04,
+        "queue_s": 0.003,
+    },
+]
 
 
 class FakeApi:
@@ -103,6 +136,8 @@ class FakeApi:
         self.app.get("/v1/cluster")(self.cluster)
         self.app.get("/metrics")(self.metrics)
         self.app.get("/health")(self.health)
+        self.app.get("/v1/stats/history")(self.history)
+        self.history_reads: list[str | None] = []
         mount_dashboard(self.app)
 
     async def cluster(self) -> dict:
@@ -110,6 +145,11 @@ class FakeApi:
 
     async def metrics(self) -> PlainTextResponse:
         return PlainTextResponse(METRICS)
+
+    async def history(self, since: float | None = None) -> dict:
+        self.history_reads.append(since)
+        points = [p for p in HISTORY if since is None or p["t"] > since]
+        return {"every_s": 2.0, "points": points}
 
     async def health(self) -> JSONResponse:
         if self.loading is None:
@@ -211,6 +251,11 @@ def test_dashboard_shows_each_ranks_host_memory_and_links(api, tmp_path):
         assert rows["params"] == f"{params:.1f} GiB", (i, rows)
         assert rows["RSS"] == f"{used:.1f} GiB", (i, rows)
         assert rows["peak RSS"] == f"{peak:.1f} GiB", (i, rows)
+        assert (rows["BLAS"], rows["backend"]) == [
+            ("BLIS", "ring"),
+            ("reference", "ring"),
+            ("—", "—"),
+        ][i]
     table = dom[dom.index('id="links"') : dom.index('id="links-empty"')]
     rows = re.findall(r"<tr data-kind=.*?</tr>", table)
     assert [cells(r) for r in rows] == [
@@ -219,6 +264,34 @@ def test_dashboard_shows_each_ranks_host_memory_and_links(api, tmp_path):
         ["node-1 ↔ node-2", "ethernet", "2.30 ms", "0.1 GB/s"],
     ]
     assert 'title="10.0.0.1 ↔ 10.0.0.2"' in rows[0]
+
+
+def test_dashboard_shows_the_servers_history_and_latency_panels(api, tmp_path):
+    fake, url = api
+    fake.loading = None
+    fake.history_reads.clear()
+    dom = chromium(tmp_path, "--dump-dom", url)
+    # The latest interval that saw requests, not the page's own polls.
+    assert text_of(dom, "ttft-now") == "250 ms" and text_of(dom, "ttft-p95") == "400 ms"
+    assert text_of(dom, "latency-now") == "2.25 s" and text_of(dom, "latency-p95") == "2.50 s"
+    assert text_of(dom, "itl-now") == "40 ms" and text_of(dom, "queue-now") == "3.0 ms"
+    assert text_of(dom, "cache-hits") == "25%"
+    assert text_of(dom, "tok-s") == "42.5"  # the engine's figure; history draws the line
+    # The page reads the whole history once, then only what is new.
+    assert fake.history_reads[0] is None and set(fake.history_reads[1:]) == {1004.0}
+
+    def points(svg: str, cls: str) -> list[tuple[float, float]]:
+        m = re.search(rf'<polyline class="{cls}" points="([^"]*)"', svg)
+        return [tuple(map(float, xy.split(","))) for xy in m.group(1).split()]
+
+    ttft = dom[dom.index('id="ttft-panel"') : dom.index('id="latency-panel"')]
+    # Two points with a TTFT (the idle one has none), 2 s apart on a 600 s, 240-wide axis.
+    assert [x for x, _ in points(ttft, "mean")] == [239.2, 240.0]
+    top = 0.45 * 1.25
+    assert [y for _, y in points(ttft, "p95")] == [round(47 - v / top * 45, 1) for v in (0.45, 0.4)]
+    spark = re.search(r'<svg id="sparkline".*?</svg>', dom, re.S).group(0)
+    line = re.search(r'<polyline points="([^"]*)"', spark).group(1).split()
+    assert [float(xy.split(",")[0]) for xy in line] == [238.4, 239.2, 240.0]
 
 
 def test_dashboard_shows_load_progress(api, tmp_path):

@@ -51,6 +51,7 @@ def served(tiny_chat, tmp_path_factory):
         + ["--backend", "ring", "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=log.open("w"),
+        env={**os.environ, "COLUMNS": "200"},  # the startup lines unwrapped
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -65,7 +66,7 @@ def served(tiny_chat, tmp_path_factory):
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        yield url, proc
+        yield url, proc, log
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -76,7 +77,7 @@ def served(tiny_chat, tmp_path_factory):
 
 
 def test_each_rank_shows_its_own_memory(served, tiny_chat, tmp_path):
-    url, proc = served
+    url, proc, _ = served
     cluster = httpx.get(f"{url}/v1/cluster", timeout=10).json()
     nodes = cluster["nodes"]
     assert [n["rank"] for n in nodes] == [0, 1]
@@ -112,3 +113,28 @@ def test_each_rank_shows_its_own_memory(served, tiny_chat, tmp_path):
     for n in nodes:
         assert n["memory_used_bytes"] == n["rss_bytes"]
         assert n["rss_bytes"] <= n["peak_rss_bytes"] <= status_kib(pids[n["rank"]], "VmHWM:")
+
+
+def test_each_rank_says_which_blas_and_backend_it_runs(served):
+    """What a rank preloads is what fast_blas_env picked in this process; both ranks say so in
+    /v1/cluster and in serve's startup lines, and an API request gets one access-log line."""
+    from thunderpool.cluster.blas import REFERENCE, fast_blas_env, kind_of
+
+    url, _, log = served
+    preload = fast_blas_env().get("LD_PRELOAD", "").split()[:1]
+    blas = kind_of(preload[0]) if preload else REFERENCE
+    nodes = httpx.get(f"{url}/v1/cluster", timeout=10).json()["nodes"]
+    assert [(n["blas"], n["backend"]) for n in nodes] == [(blas, "ring")] * 2
+    if preload:
+        assert [n["blas_path"] for n in nodes] == [os.path.realpath(preload[0])] * 2
+    text = log.read_text()
+    for rank in (0, 1):
+        assert f"rank {rank}: BLAS {blas}" in text and "ring backend" in text
+    body = {"model": "tiny-chat", "prompt": "a private prompt", "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    deadline = time.monotonic() + 10
+    while "POST /v1/completions 200" not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    assert "completion_tokens=2" in log.read_text()
+    assert "a private prompt" not in log.read_text()

@@ -25,6 +25,8 @@ from thunderpool.cluster.doctor import (
 from thunderpool.cluster.messages import NodeInfo
 
 MLX_OK = ("0.32.4", True, "")
+BLIS_PATH = "/usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4"
+BLIS = {"LD_PRELOAD": BLIS_PATH, "BLIS_NUM_THREADS": "2"}
 
 
 def bind_ok(port: int) -> OSError | None:
@@ -37,7 +39,7 @@ def connect_ok(host: str, port: int, timeout: float) -> OSError | None:
 
 
 def checks_for(scene: str, system: str = "Darwin", **kw) -> dict[str, Check]:
-    kw = {"bind": bind_ok, "connect": connect_ok, "mlx": lambda: MLX_OK} | kw
+    kw = {"bind": bind_ok, "connect": connect_ok, "mlx": lambda: MLX_OK, "blas": lambda: BLIS} | kw
     checks = run_checks(system, Replay(scene), **kw)
     by_name = {c.name: c for c in checks}
     assert len(by_name) == len(checks), "check names must be unique"
@@ -128,7 +130,9 @@ def test_macos_26_rdma_disabled_tb4_bridge_on():
 
 def test_linux_skips_mac_checks():
     run = Replay("linux")
-    checks = run_checks("Linux", run, bind=bind_ok, connect=connect_ok, mlx=lambda: MLX_OK)
+    checks = run_checks(
+        "Linux", run, bind=bind_ok, connect=connect_ok, mlx=lambda: MLX_OK, blas=lambda: BLIS
+    )
     assert [(c.name, c.status, c.detail) for c in checks] == [
         ("macOS version", "SKIP", "not macOS"),
         ("RDMA enabled", "SKIP", "not macOS"),
@@ -138,6 +142,7 @@ def test_linux_skips_mac_checks():
         ("MLX", "PASS", "mlx 0.32.4 imports"),
         ("ring backend", "PASS", "mx.distributed ring is available"),
         ("ip command", "PASS", "`ip` (iproute2) is installed"),
+        ("BLAS", "PASS", f"ranks preload BLIS: {BLIS_PATH}"),
         ("agent port", "PASS", "7070 can be bound"),
         ("probe port", "PASS", "7071 can be bound"),
         ("ring ports", "PASS", "29500-29531 can be bound"),
@@ -331,3 +336,19 @@ def test_thunderbolt_without_links_or_ports_warns():
         "no Thunderbolt device connected (ports up to 80 Gb/s)",
     )
     assert check_thunderbolt(127, "").status == "WARN"
+
+
+def test_linux_on_the_reference_blas_warns_with_the_install_line(monkeypatch):
+    monkeypatch.delenv("THUNDERPOOL_BLAS", raising=False)
+    checks = checks_for("linux", system="Linux", blas=lambda: {})
+    blas = checks["BLAS"]
+    assert blas.status == "WARN"
+    assert blas.detail == (
+        "ranks run mlx's bundled reference BLAS, ~30x slower at prefill: "
+        "no BLIS or OpenBLAS is installed"
+    )
+    assert blas.fix == "sudo apt-get install -y libblis4-pthread"
+    monkeypatch.setenv("THUNDERPOOL_BLAS", "reference")
+    off = checks_for("linux", system="Linux", blas=lambda: {})["BLAS"]
+    assert (off.status, off.fix) == ("WARN", "unset THUNDERPOOL_BLAS")
+    assert "BLAS" not in checks_for("macos26_rdma_tb5")  # Accelerate: nothing to check

@@ -106,6 +106,18 @@ def test_each_rank_keeps_its_own_report():
     assert shown["placement"]["method"] == "lazy"
 
 
+def test_each_rank_shows_its_blas_and_backend():
+    view = ClusterView(CONFIG)
+    view.begin(FakeClusterInstance(three_nodes(), ["n1", "n2", "n3"], job(3)))
+    blis = "/usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4"
+    fast = {"kind": "runtime", "blas": "BLIS", "blas_path": blis, "backend": "ring"}
+    slow = {"kind": "runtime", "blas": "reference", "blas_path": None, "backend": "ring"}
+    view.observe(0, fast)
+    shown = view.observe(2, slow)
+    runs = [(n["blas"], n["blas_path"], n["backend"]) for n in shown["nodes"]]
+    assert runs == [("BLIS", blis, "ring"), (None, None, None), ("reference", None, "ring")]
+
+
 def test_local_ranks_are_loopback_neighbours_listed_once():
     view = ClusterView(CONFIG)
     two = view.begin(FakeLocalInstance(job(2, "tp")))

@@ -1,4 +1,5 @@
-"""Prometheus text exposition: the engine's counters and gauges plus the API's HTTP counts.
+"""Prometheus text exposition: the engine's counters and gauges, the API's latency histograms
+and its HTTP counts.
 
 Written by hand (the format is a few lines of text) so the API needs no metrics library.
 """
@@ -8,7 +9,8 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -24,6 +26,7 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "decode_tokens_per_second": ("gauge", "Recent aggregate decode throughput."),
     "queue_depth": ("gauge", "Requests waiting to join the running batch."),
     "active_requests": ("gauge", "Requests in the running batch."),
+    "prefix_cache_hit_tokens_total": ("counter", "Prompt tokens reused from the prefix cache."),
 }
 _RANK_MEMORY = re.compile(r"rank(\d+)_memory_bytes")
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
@@ -43,12 +46,74 @@ def _escape(label: str) -> str:
 
 
 def _family(name: str, kind: str, help: str, samples: Iterable[tuple[str, float]]) -> list[str]:
+    # `labels` is a label set, or for a histogram the series suffix and its labels.
     lines = [f"# HELP {PREFIX}{name} {help}", f"# TYPE {PREFIX}{name} {kind}"]
     return lines + [f"{PREFIX}{name}{labels} {_value(v)}" for labels, v in samples]
 
 
-def render(engine: Mapping[str, float], http: Mapping[tuple[str, int], int]) -> str:
-    """The /metrics body: engine metrics, per-rank memory, then HTTP responses by status."""
+@dataclass(slots=True)
+class Histogram:
+    """A Prometheus histogram: `counts[i]` observations fell in (bounds[i-1], bounds[i]]; the
+    last count is the +Inf bucket's own."""
+
+    name: str
+    help: str
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        assert list(self.bounds) == sorted(set(self.bounds)), "bounds must increase"
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def observe(self, value: float) -> None:
+        i = next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))
+        self.counts[i] += 1
+        self.sum += value
+
+    def cumulative(self) -> list[int]:
+        out, total = [], 0
+        for n in self.counts:
+            total += n
+            out.append(total)
+        return out
+
+    def lines(self) -> list[str]:
+        les = [*(_value(b) for b in self.bounds), "+Inf"]
+        cumulative = zip(les, self.cumulative(), strict=True)
+        samples = [(f'_bucket{{le="{le}"}}', n) for le, n in cumulative]
+        samples += [("_sum", self.sum), ("_count", self.count)]
+        return _family(self.name, "histogram", self.help, samples)
+
+
+def quantile(bounds: Sequence[float], counts: Sequence[int], q: float) -> float | None:
+    """Like PromQL's histogram_quantile: linear within the bucket that holds the q-th
+    observation; the +Inf bucket answers its lower bound. None without observations."""
+    total = sum(counts)
+    if total == 0:
+        return None
+    rank, seen = q * total, 0
+    for i, n in enumerate(counts):
+        if n and seen + n >= rank:
+            if i == len(bounds):
+                return float(bounds[-1])
+            low = bounds[i - 1] if i else 0.0
+            return low + (bounds[i] - low) * (rank - seen) / n
+        seen += n
+    return float(bounds[-1])
+
+
+def render(
+    engine: Mapping[str, float],
+    http: Mapping[tuple[str, int], int],
+    histograms: Iterable[Histogram] = (),
+) -> str:
+    """The /metrics body: engine metrics, per-rank memory, the API's latency histograms, then
+    HTTP responses by status."""
     lines: list[str] = []
     ranks: list[tuple[int, float]] = []
     for key, v in engine.items():
@@ -62,6 +127,8 @@ def render(engine: Mapping[str, float], http: Mapping[tuple[str, int], int]) -> 
     if ranks:
         samples = [(f'{{rank="{r}"}}', v) for r, v in sorted(ranks)]
         lines += _family("rank_memory_bytes", "gauge", "Memory in use on each rank.", samples)
+    for h in histograms:
+        lines += h.lines()
     samples = [
         (f'{{path="{_escape(path)}",status="{status}"}}', n)
         for (path, status), n in sorted(http.items())

@@ -38,6 +38,12 @@ CLUSTER = {
     "content": {"application/json": {"schema": {"type": "object"}}},
 }
 
+HISTORY = {
+    "description": "the dashboard's history, oldest first (`points`, one every `every_s`); "
+    "`?since=T` (unix seconds) keeps the points after T",
+    "content": {"application/json": {"schema": {"type": "object"}}},
+}
+
 
 class Health(BaseModel):
     status: str

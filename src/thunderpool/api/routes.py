@@ -6,12 +6,16 @@ OpenAI-style 400s (not FastAPI's 422) and auth is checked before the body is rea
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
+import math
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import TypeVar
 
@@ -34,7 +38,9 @@ from thunderpool.api.generation import (
     completion_body,
     stream,
 )
+from thunderpool.api.history import EVERY_S, History
 from thunderpool.api.metrics import CONTENT_TYPE, HTTPCounter, render
+from thunderpool.api.observe import AccessLog, Latencies, RecordingEngine
 from thunderpool.api.schemas import ChatRequest, CompletionRequest, ModelCard, ModelList
 from thunderpool.api.sse import EventStream, until_disconnect
 from thunderpool.engine.sampling import SamplingParams
@@ -75,9 +81,25 @@ async def _parse(request: Request, model: type[R]) -> R:
         raise from_validation(e) from e
 
 
-def create_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
-    """The API app. `api_key` guards /v1/* and /metrics; /health (and `/`) stay open."""
-    app = FastAPI(title="thunderpool", docs_url=None, redoc_url=None)
+def create_app(
+    engine: EngineClient, api_key: str | None = None, *, log_prompts: bool = False
+) -> FastAPI:
+    """The API app. `api_key` guards /v1/* and /metrics; /health (and `/`) stay open.
+    `log_prompts` adds each prompt's text to its access-log line."""
+    latencies = Latencies()
+    engine = RecordingEngine(engine, latencies, log_prompts)  # type: ignore[assignment]
+    history = History(engine.metrics, latencies)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        sampler = asyncio.get_running_loop().create_task(history.run())
+        yield
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
+
+    app = FastAPI(title="thunderpool", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.history = history
     guarded = [Depends(api_key_guard(api_key))]
     doc = partial(openapi.route, guarded=api_key is not None)
     generating = (400, 404, 503)  # what a completion answers besides 200 (and 401)
@@ -182,12 +204,26 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
 
     @app.get("/metrics", dependencies=guarded, response_class=PlainTextResponse, **doc({}))
     async def metrics() -> PlainTextResponse:
-        text = render(engine.metrics(), http_counts)
+        text = render(engine.metrics(), http_counts, latencies.all())
         return PlainTextResponse(text, headers={"Content-Type": CONTENT_TYPE})
+
+    @app.get("/v1/stats/history", dependencies=guarded, **doc(openapi.HISTORY, (400,)))
+    async def stats_history(request: Request) -> JSONResponse:
+        since = request.query_params.get("since")
+        try:
+            t = None if since is None else float(since)
+        except ValueError:
+            t = math.nan
+        if t is not None and not math.isfinite(t):
+            raise APIError(400, f"since={since!r} is not a time; give unix seconds", param="since")
+        if not history.points or time.time() - history.points[-1]["t"] >= EVERY_S:
+            history.sample()  # no sampler runs without a lifespan (tests), or it lags
+        return JSONResponse({"every_s": EVERY_S, "points": history.since(t)})
 
     openapi.install(app, api_key is not None)
     install_error_handlers(app)
     # "/" is the dashboard's, mounted by the caller after this returns.
     known = frozenset(r.path for r in app.routes if "{" not in getattr(r, "path", "{")) | {"/"}
     app.add_middleware(HTTPCounter, known=known, counts=http_counts)
+    app.add_middleware(AccessLog)
     return app

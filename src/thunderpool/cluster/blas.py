@@ -7,6 +7,7 @@ libopenblas0-pthread), whose sgemm packs the whole weight matrix first, at about
 speed. A library is used only after a self-test in a child process shows it loads and
 multiplies correctly; otherwise the next is tried, and at the end ranks keep the bundled BLAS.
 THUNDERPOOL_BLAS=reference turns it off; THUNDERPOOL_BLAS=/path/lib.so picks a library.
+`in_use` names the BLAS a process actually runs on, for /v1/cluster and the startup lines.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ CANDIDATES = (
     "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
     "/usr/lib64/libopenblas.so.0",
 )
+
+# File-name prefixes of optimized BLASes. numpy's own OpenBLAS ("libscipy_openblas64_") serves
+# numpy only, not MLX, so it does not count.
+KINDS = (("libblis", "BLIS"), ("libopenblas", "OpenBLAS"), ("libmkl_rt", "MKL"))
+REFERENCE = "reference"  # the mlx[cpu] wheel's bundled BLAS
+# The fix for a Debian/Ubuntu node on the reference BLAS (doctor, serve's startup lines).
+INSTALL = "sudo apt-get install -y libblis4-pthread"
 
 # One GEMM against numpy: a misdetected kernel crashes or returns garbage, both caught here. A
 # library the loader could not preload is only warned about, so check that it is mapped.
@@ -109,3 +117,27 @@ def fast_blas_env() -> dict[str, str]:
         if passes_self_test(env):
             return env
     return {}
+
+
+def kind_of(path: str) -> str | None:
+    """ "BLIS", "OpenBLAS" or "MKL" for a library file, or None for any other."""
+    name = Path(path).name
+    return next((kind for prefix, kind in KINDS if name.startswith(prefix)), None)
+
+
+def in_use(maps: str | None = None, platform: str = sys.platform) -> dict[str, str | None]:
+    """The BLAS this process multiplies with: {"blas": "BLIS" | "OpenBLAS" | "MKL" |
+    "Accelerate" | "reference", "blas_path": the library or None}. On Linux, the first
+    optimized library mapped into it (`maps`: /proc/self/maps), as a rank's preload is."""
+    if platform == "darwin":
+        return {"blas": "Accelerate", "blas_path": None}
+    if maps is None:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            maps = ""
+    for line in maps.splitlines():
+        path = line.split()[-1] if len(line.split()) >= 6 else ""
+        if (kind := kind_of(path)) is not None:
+            return {"blas": kind, "blas_path": path}
+    return {"blas": REFERENCE, "blas_path": None}

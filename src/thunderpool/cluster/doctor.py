@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from thunderpool import __version__
+from thunderpool.cluster.blas import INSTALL, kind_of
 from thunderpool.cluster.capabilities import (
     RDMA_MIN_MACOS,
     Runner,
@@ -29,6 +30,7 @@ from thunderpool.cluster.capabilities import (
     version_text,
 )
 from thunderpool.cluster.messages import NodeInfo
+from thunderpool.config import blas_choice
 
 Status = Literal["PASS", "WARN", "FAIL", "SKIP"]
 
@@ -54,6 +56,13 @@ class Check:
 Bind = Callable[[int], OSError | None]
 Connect = Callable[[str, int, float], OSError | None]
 MlxProbe = Callable[[], tuple[str | None, bool, str]]
+BlasProbe = Callable[[], dict[str, str]]  # the rank environment's BLAS (cluster/blas.py)
+
+
+def probe_blas() -> dict[str, str]:
+    from thunderpool.cluster.blas import fast_blas_env
+
+    return fast_blas_env()
 
 
 def try_bind(port: int) -> OSError | None:
@@ -229,6 +238,21 @@ def check_mlx(mlx: tuple[str | None, bool, str], macos: bool) -> list[Check]:
     return [Check("MLX", "PASS", f"mlx {version} imports"), ring_check]
 
 
+def check_blas(env: dict[str, str], choice: str) -> Check:
+    """Ranks on Linux run the BLAS that passed the self-test, or the mlx[cpu] wheel's own."""
+    name = "BLAS"
+    if library := env.get("LD_PRELOAD", "").split()[:1]:
+        return Check(name, "PASS", f"ranks preload {kind_of(library[0]) or 'a BLAS'}: {library[0]}")
+    slow = "ranks run mlx's bundled reference BLAS, ~30x slower at prefill"
+    if choice == "reference":
+        return Check(name, "WARN", f"{slow} (THUNDERPOOL_BLAS=reference)", "unset THUNDERPOOL_BLAS")
+    if choice != "auto":
+        return Check(
+            name, "WARN", f"{slow}: THUNDERPOOL_BLAS={choice} fails its self-test", INSTALL
+        )
+    return Check(name, "WARN", f"{slow}: no BLIS or OpenBLAS is installed", INSTALL)
+
+
 def _bind_failure(err: OSError) -> Status:
     return "WARN" if err.errno == errno.EADDRINUSE else "FAIL"
 
@@ -316,6 +340,7 @@ def run_checks(
     bind: Bind = try_bind,
     connect: Connect = try_connect,
     mlx: MlxProbe = probe_mlx,
+    blas: BlasProbe = probe_blas,
 ) -> list[Check]:
     """Every check for a node on `platform_name` (platform.system(): "Darwin", "Linux")."""
     macos = platform_name == "Darwin"
@@ -344,6 +369,7 @@ def run_checks(
                 "ip command", "FAIL", "`ip` not found", "apt-get install iproute2 (or dnf ...)"
             )
         )
+        checks.append(check_blas(blas(), blas_choice()))
     checks += check_ports(port, ring_ports, bind)
     if macos:
         checks.append(check_firewall(*run((FIREWALL, "--getglobalstate"))))

@@ -18,6 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 import mlx.core as mx
 
@@ -56,6 +57,8 @@ class Engine:
         self._incoming: deque[tuple[int, list[int], SamplingParams]] = deque()
         self._cancelled: set[int] = set()
         self._stopping = False
+        self._submitted_at: dict[int, float] = {}  # until its first prefill plan
+        self._queued_s: dict[int, float] = {}  # until its first token reports it
 
     # Thread-safe entry points (the API's threads).
     def submit(self, prompt: list[int], params: SamplingParams, on_event: OnEvent) -> int:
@@ -65,6 +68,7 @@ class Engine:
         with self._lock:
             self._on_event[sid] = on_event
             self._incoming.append((sid, list(prompt), params))
+            self._submitted_at[sid] = time.perf_counter()
         self._wake.set()
         return sid
 
@@ -96,10 +100,20 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return False
+        self._note_queue_time(plan)
         self._execute(plan)
         for sid in plan.drop:
             self._on_event.pop(sid, None)
+            self._queued_s.pop(sid, None)
         return True
+
+    def _note_queue_time(self, plan: StepPlan) -> None:
+        """A request's first prefill chunk ends its wait (later chunks find nothing to pop)."""
+        if plan.prefill is not None:
+            with self._lock:
+                since = self._submitted_at.pop(plan.prefill.sid, None)
+            if since is not None:
+                self._queued_s[plan.prefill.sid] = time.perf_counter() - since
 
     def run(self) -> None:
         """Serves until stop(); parks every rank while there is nothing to do."""
@@ -161,6 +175,8 @@ class Engine:
     def deliver(self, sids: list[int], tokens: list[int]) -> None:
         self._take_cancels()
         for event in self.scheduler.postprocess(sids, tokens):
+            if event.completion_tokens == 1 and event.sid in self._queued_s:
+                event = replace(event, queued_s=self._queued_s.pop(event.sid))
             self._emit(event)
 
     def _take_cancels(self) -> None:
@@ -172,6 +188,8 @@ class Engine:
                     self._incoming = deque(r for r in self._incoming if r[0] != sid)
             if sid not in self.scheduler.live_sids:
                 self._on_event.pop(sid, None)
+                with self._lock:
+                    self._submitted_at.pop(sid, None)
 
     def _emit(self, event: Emitted) -> None:
         on_event = self._on_event.get(event.sid)

@@ -40,6 +40,7 @@ class Emitted:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    queued_s: float | None = None  # on the first token: from submit to its first prefill plan
 
 
 class Scheduler:

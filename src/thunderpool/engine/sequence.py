@@ -12,21 +12,54 @@ from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.scheduler import Emitted
 from thunderpool.engine.service import Delta
 
+# A silence longer than this many usual gaps between steps (and than the window) reads as idle.
+IDLE_GAPS = 4.0
+SAME_STEP_S = 1e-3  # tokens this close together came from one step (the rows of a batch)
+
 
 @dataclass
 class Counters:
+    """The leader's running totals for /metrics; `clock` is what every time here is read from."""
+
     requests_total: int = 0
     prompt_tokens_total: int = 0
     tokens_generated_total: int = 0
+    # The prefix cache adds the prompt tokens it reused (via `prompted`); the hit rate is
+    # prefix_cache_hit_tokens_total / prompt_tokens_total.
+    prefix_cache_hit_tokens_total: int = 0
     ttft_seconds: float = 0.0
-    recent: deque = field(default_factory=lambda: deque(maxlen=1024))  # (time, tokens)
+    recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # (time, tokens) per step
+    clock: Callable[[], float] = time.perf_counter
 
-    def decode_tps(self, window: float = 5.0) -> float:
-        now = time.perf_counter()
-        steps = [(t, n) for t, n in self.recent if now - t <= window]
+    def prompted(self, tokens: int, cached: int = 0) -> None:
+        """A request's prompt was prefilled; `cached` of its `tokens` came from the prefix cache."""
+        self.requests_total += 1
+        self.prompt_tokens_total += tokens
+        self.prefix_cache_hit_tokens_total += cached
+
+    def generated(self, now: float, tokens: int = 1) -> None:
+        self.tokens_generated_total += tokens
+        if self.recent and now - self.recent[-1][0] < SAME_STEP_S:
+            tokens += self.recent.pop()[1]
+        self.recent.append((now, tokens))
+
+    def decode_tps(self, now: float | None = None, window: float = 10.0) -> float:
+        """Tokens per second lately: the steps of the last `window` seconds (at least the last
+        two steps, however slow), over their span plus any silence since the last step that is
+        longer than the usual gap, so a slow stream reads its true rate and a stopped one decays."""
+        now = self.clock() if now is None else now
+        steps = [s for s in self.recent if s[0] > now - window]
+        if len(steps) < 2:
+            steps = list(self.recent)[-2:]
         if len(steps) < 2:
             return 0.0
-        return sum(n for _, n in steps[1:]) / max(steps[-1][0] - steps[0][0], 1e-9)
+        first, last = steps[0][0], steps[-1][0]
+        span, silence = last - first, now - last
+        gap = span / (len(steps) - 1)
+        if silence > max(window, IDLE_GAPS * gap):
+            return 0.0
+        tokens = sum(n for _, n in steps[1:])
+        return tokens / max(span + max(silence - gap, 0.0), 1e-9)
 
 
 class TextRequests:
@@ -58,7 +91,8 @@ class TextEdge:
     ):
         self.text = TextStream(tokenizer, params.stop) if tokenizer is not None else None
         self.emit, self.cancel, self.counters = emit, cancel, counters
-        self.submitted = time.perf_counter()
+        self.clock = counters.clock if counters is not None else time.perf_counter
+        self.submitted = self.clock()
         self.first_at = self.last_at = 0.0
         self.done = False
 
@@ -69,7 +103,7 @@ class TextEdge:
             self.done = True
             self.emit(Delta("", "error", ev.prompt_tokens, ev.completion_tokens, error=ev.error))
             return
-        self._count(ev)
+        timing = self._count(ev)
         tokens = () if ev.token is None else (ev.token,)
         delta = self.text.add(ev.token) if self.text is not None and tokens else ""
         reason = ev.finish_reason
@@ -78,26 +112,33 @@ class TextEdge:
                 self.cancel(ev.sid)
             reason = "stop"
         if reason is None:
-            self.emit(Delta(delta, tokens=tokens))
+            self.emit(Delta(delta, tokens=tokens, **timing))
             return
         self.done = True
         tail = self.text.finish() if self.text is not None else ""
         counts = (ev.prompt_tokens, ev.completion_tokens)
-        self.emit(Delta(delta + tail, reason, *counts, tokens=tokens))
+        timing["elapsed_s"] = self.last_at - self.submitted
+        self.emit(Delta(delta + tail, reason, *counts, tokens=tokens, **timing))
 
-    def _count(self, ev: Emitted) -> None:
-        self.last_at = now = time.perf_counter()
-        if ev.completion_tokens == 1:
+    def _count(self, ev: Emitted) -> dict[str, float | None]:
+        """Counts the token; returns its Delta's timing: queue time and TTFT on the first token,
+        the gap since the previous token on the others."""
+        previous, now = self.last_at, self.clock()
+        self.last_at = now
+        first = ev.completion_tokens == 1
+        if first:
             self.first_at = now
+            timing = {"queued_s": ev.queued_s, "ttft_s": now - self.submitted}
+        else:
+            timing = {"gap_s": now - previous}
         c = self.counters
         if c is None:
-            return
-        if ev.completion_tokens == 1:
-            c.requests_total += 1
-            c.prompt_tokens_total += ev.prompt_tokens
+            return timing
+        if first:
+            c.prompted(ev.prompt_tokens)
             c.ttft_seconds = now - self.submitted
-        c.tokens_generated_total += 1
-        c.recent.append((now, 1))
+        c.generated(now)
+        return timing
 
 
 class TextStream:

@@ -25,6 +25,13 @@ class Delta:
     completion_tokens: int = 0
     error: str | None = None
     tokens: tuple[int, ...] = ()  # the token ids behind this delta
+    # Timing measured where tokens are made (the leader), so a gateway that holds deltas back
+    # does not distort it: queue time and TTFT on the first token, the gap since the previous
+    # token on later ones, submit-to-last-token on the last.
+    queued_s: float | None = None
+    ttft_s: float | None = None
+    gap_s: float | None = None
+    elapsed_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +59,8 @@ class EngineClient(Protocol):
 
     def metrics(self) -> dict[str, float]:
         """Counters and gauges: requests_total, tokens_generated_total, prompt_tokens_total,
-        ttft_seconds (last), decode_tokens_per_second (recent), queue_depth, active_requests,
-        and rank{N}_memory_bytes per rank."""
+        prefix_cache_hit_tokens_total, ttft_seconds (last), decode_tokens_per_second (recent),
+        queue_depth, active_requests, and rank{N}_memory_bytes per rank."""
         ...
 
     def generate(

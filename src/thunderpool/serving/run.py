@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import secrets
+import sys
 import threading
 import time
 from pathlib import Path
@@ -138,10 +140,21 @@ def _watch_members(gateway, members) -> None:
 
 
 def _print_loaded(console: Console):
-    """Per-rank load lines on the terminal (the dashboard draws the progress bar)."""
+    """Per-rank lines on the terminal: what each rank runs on, then what it loaded (the
+    dashboard draws the progress bar)."""
+    from thunderpool.cluster.blas import INSTALL, REFERENCE
 
     def show(ev) -> None:
         e = ev.event
+        if e["kind"] == "runtime":
+            backend = f"{e['backend']} backend" if e.get("backend") else "no collectives"
+            where = f" ({e['blas_path']})" if e.get("blas_path") else ""
+            console.print(f"[dim]rank {ev.rank}: BLAS {e.get('blas')}{where}, {backend}[/]")
+            if e.get("blas") == REFERENCE:
+                console.print(
+                    f"[yellow]rank {ev.rank} runs the mlx wheel's reference BLAS, ~30x slower "
+                    f"at prefill; on Debian/Ubuntu: {INSTALL}[/]"
+                )
         if e["kind"] == "loaded":
             console.print(
                 f"[dim]rank {ev.rank}: layers {e['layers'][0]}-{e['layers'][1] - 1}, "
@@ -151,6 +164,16 @@ def _print_loaded(console: Console):
     return show
 
 
+def _log_requests() -> None:
+    """The access log (api/observe.py) to stderr, one line per request."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    access = logging.getLogger("thunderpool.access")
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False
+
+
 def _start_api(args, gateway, supervisor, api_key: str | None) -> str:
     import uvicorn
 
@@ -158,7 +181,8 @@ def _start_api(args, gateway, supervisor, api_key: str | None) -> str:
     from thunderpool.api.routes import create_app
     from thunderpool.serving.admin import mount_admin
 
-    app = create_app(gateway, api_key=api_key)
+    _log_requests()
+    app = create_app(gateway, api_key=api_key, log_prompts=args.log_prompts)
     mount_admin(app, supervisor, api_key)
     mount_dashboard(app)
     server = uvicorn.Server(

@@ -4,7 +4,8 @@ memory, the links between its nodes, and which layers and heads each rank holds.
 Built in the serve process from first-hand sources: on a cluster, the coordinator's measured
 ClusterState (hosts, node memory, each link's kind, RTT and bandwidth, once per pair); on one
 host, loopback and this machine. What a rank holds comes from its own reports: the "loaded"
-event (parameters, peak RSS, layers) and "memory" events (RSS and peak while it serves).
+event (parameters, peak RSS, layers), "memory" events (RSS and peak while it serves) and the
+"runtime" event (its BLAS and collective backend).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class RankReport:
     rss_bytes: int | None = None
     peak_rss_bytes: int | None = None
     method: str | None = None
+    blas: str | None = None  # "BLIS", "OpenBLAS", "Accelerate", "reference" (cluster/blas.py)
+    blas_path: str | None = None
+    backend: str | None = None  # "ring", "jaccl", "mpi"; None for a single rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +83,13 @@ class ClusterView:
             case "memory":
                 rss, peak = event["rss_bytes"], event["peak_rss_bytes"]
                 new = replace(old, rss_bytes=rss, peak_rss_bytes=peak)
+            case "runtime":
+                new = replace(
+                    old,
+                    blas=event.get("blas"),
+                    blas_path=event.get("blas_path"),
+                    backend=event.get("backend"),
+                )
             case _:
                 return None
         self.reports[rank] = new
@@ -109,6 +120,9 @@ def node_entry(rank: int, seat: Seat, memory: RankReport) -> dict:
         "param_bytes": memory.param_bytes,
         "peak_rss_bytes": memory.peak_rss_bytes,
         "speed": {"mem_bw_gbps": bw},
+        "blas": memory.blas,
+        "blas_path": memory.blas_path,
+        "backend": memory.backend,
     }
 
 

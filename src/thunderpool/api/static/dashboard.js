@@ -1,15 +1,19 @@
-// thunderpool dashboard: polls /health, /v1/cluster and /metrics once a second and renders them.
-// Plain DOM code with no dependencies; every field of the API's JSON is treated as optional.
+// thunderpool dashboard: polls /health, /v1/cluster, /metrics and /v1/stats/history once a
+// second and renders them. The history is the server's (a page opened late still shows the
+// past); only its new points are fetched. Plain DOM code with no dependencies; every field of
+// the API's JSON is treated as optional.
 "use strict";
 
 const POLL_MS = 1000;
-const SPARK_POINTS = 60;
+const SPARK_POINTS = 60;  // the fallback sparkline, from this page's own polls
+const HISTORY_S = 600;  // what the charts span
 // One color per rank, shared by node cards and the placement view so they can be matched by eye.
 const RANK_COLORS = ["#4f8cff", "#f59e0b", "#10b981", "#ef4444", "#a855f7", "#06b6d4",
   "#ec4899", "#84cc16"];
 
 const byId = (id) => document.getElementById(id);
 const tokHistory = [];
+let history = [];  // the server's points, oldest first
 let lastClusterKey = "";
 
 function el(tag, attrs = {}, ...children) {
@@ -45,6 +49,11 @@ function fmtBytes(n) {
 function fmtNum(n, digits = 1) {
   if (!isNum(n)) return "—";
   return n.toLocaleString("en-US", { maximumFractionDigits: digits });
+}
+
+function fmtSeconds(s) {
+  if (!isNum(s)) return "—";
+  return s < 1 ? `${(s * 1000).toFixed(s < 0.01 ? 1 : 0)} ms` : `${s.toFixed(2)} s`;
 }
 
 function fmtLatency(ms) {
@@ -144,7 +153,9 @@ function nodeCard(node) {
   row("params", fmtBytes(node.param_bytes)),
   row("RSS", fmtBytes(node.rss_bytes)),
   row("peak RSS", fmtBytes(node.peak_rss_bytes)),
-  row("memory bandwidth", speed));
+  row("memory bandwidth", speed),
+  row("BLAS", node.blas ?? "—"),
+  row("backend", node.backend ?? (node.blas ? "none" : "—")));
 }
 
 function renderNodes(nodes) {
@@ -250,9 +261,54 @@ function renderCluster(cluster) {
   renderLinks(Array.isArray(cluster.links) ? cluster.links : []);
 }
 
+// x of a point at unix time t on a 240-wide chart that ends now and spans HISTORY_S.
+function chartX(t, now) {
+  return Math.max(0, 240 - ((now - t) / HISTORY_S) * 240);
+}
+
+function chartPoints(points, key, top, now) {
+  return points.filter((p) => isNum(p[key]))
+    .map((p) => `${chartX(p.t, now).toFixed(1)},${(47 - (p[key] / top) * 45).toFixed(1)}`)
+    .join(" ");
+}
+
+function lastValue(key) {
+  for (let i = history.length - 1; i >= 0; i -= 1) if (isNum(history[i][key])) return history[i][key];
+  return null;
+}
+
+function renderHistory() {
+  const now = history.length ? history[history.length - 1].t : 0;
+  const shown = history.filter((p) => p.t >= now - HISTORY_S);
+  for (const key of ["ttft", "latency"]) {
+    byId(`${key}-now`).textContent = fmtSeconds(lastValue(`${key}_s`));
+    byId(`${key}-p95`).textContent = fmtSeconds(lastValue(`${key}_p95_s`));
+    const values = shown.flatMap((p) => [p[`${key}_s`], p[`${key}_p95_s`]]).filter(isNum);
+    const top = Math.max(1e-3, ...values) * 1.25;
+    const panel = byId(`${key}-panel`);
+    panel.querySelector("polyline.mean").setAttribute("points",
+      chartPoints(shown, `${key}_s`, top, now));
+    panel.querySelector("polyline.p95").setAttribute("points",
+      chartPoints(shown, `${key}_p95_s`, top, now));
+  }
+  byId("itl-now").textContent = fmtSeconds(lastValue("itl_s"));
+  byId("queue-now").textContent = fmtSeconds(lastValue("queue_s"));
+}
+
 function renderSparkline() {
   const line = document.querySelector("#sparkline polyline");
   const area = document.querySelector("#sparkline polygon");
+  if (history.length >= 2) {
+    // The server's history: tok/s over the last HISTORY_S, however long this page has been open.
+    const now = history[history.length - 1].t;
+    const shown = history.filter((p) => p.t >= now - HISTORY_S && isNum(p.tok_s));
+    const top = Math.max(1, ...shown.map((p) => p.tok_s)) * 1.25;
+    const points = chartPoints(shown, "tok_s", top, now);
+    line.setAttribute("points", points);
+    const x0 = shown.length ? chartX(shown[0].t, now).toFixed(1) : "0";
+    area.setAttribute("points", `${x0},47 ${points} 240,47`);
+    return;
+  }
   if (tokHistory.length < 2) {
     line.setAttribute("points", "");
     area.setAttribute("points", "");
@@ -280,11 +336,26 @@ function renderMetrics(metrics) {
   for (const [id, name] of Object.entries(counts)) {
     byId(id).textContent = fmtNum(metricValue(metrics, name), 0);
   }
+  const hits = metricValue(metrics, "thunderpool_prefix_cache_hit_tokens_total");
+  const prompted = metricValue(metrics, "thunderpool_prompt_tokens_total");
+  byId("cache-hits").textContent =
+    isNum(hits) && prompted > 0 ? `${fmtNum((100 * hits) / prompted, 1)}%` : "—";
   if (isNum(tok)) {
     tokHistory.push(tok);
     if (tokHistory.length > SPARK_POINTS) tokHistory.shift();
   }
   renderSparkline();
+}
+
+async function pollHistory() {
+  const since = history.length ? `?since=${history[history.length - 1].t}` : "";
+  const res = await fetch(`/v1/stats/history${since}`, { cache: "no-store", headers: AUTH });
+  if (!res.ok) return;
+  const body = await res.json();
+  const points = Array.isArray(body.points) ? body.points.filter((p) => isNum(p.t)) : [];
+  history = history.concat(points);
+  const now = history.length ? history[history.length - 1].t : 0;
+  history = history.filter((p) => p.t >= now - HISTORY_S);
 }
 
 // A server started with --api-key needs it on /v1 and /metrics: open the page as /?key=KEY.
@@ -303,7 +374,9 @@ async function poll() {
     fetchJson("/health"),
     fetchJson("/v1/cluster"),
     fetch("/metrics", { cache: "no-store", headers: AUTH }).then((r) => (r.ok ? r.text() : "")),
+    pollHistory(),
   ]);
+  renderHistory();
   if (health.status === "fulfilled") renderHealth(health.value.res, health.value.body);
   else renderHealth(null, null);
   const parsed = metrics.status === "fulfilled" ? parseMetrics(metrics.value) : {};
