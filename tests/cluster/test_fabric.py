@@ -278,6 +278,38 @@ def test_health_shows_each_fetching_nodes_bytes_rate_and_eta():
     assert "fetch" not in TestClient(create_app(gw)).get("/health").json()
 
 
+def test_a_coordinator_without_the_model_plans_from_a_members_config_and_headers(
+    pair, tmp_path, monkeypatch
+):
+    """Only node a has the model, not this machine: the coordinator fetches its small files
+    and safetensors headers from a (hash-checked) and plans exactly as with a local copy."""
+    import argparse
+
+    import thunderpool.models.source as models
+    from thunderpool.cluster.cli import ranked_plans
+    from thunderpool.cluster.remote_model import MARKER, model_here_or_remote
+    from thunderpool.planner.spec import model_spec
+
+    model, _, _, coord = pair
+    state = coord.discover()
+    args = argparse.Namespace(model=str(model), join=[state.contacts["a"]], token=TOKEN)
+    here = ranked_plans(args, state)
+    hidden = hiding(model.parent)
+    monkeypatch.setattr(models, "resolve_model", lambda m, *_, **__: hidden(m))
+    with pytest.raises(ModelError):
+        models.resolve_model(str(model))
+    monkeypatch.setenv("THUNDERPOOL_CACHE", str(tmp_path / "cache"))
+    described = model_here_or_remote(str(model), coord)
+    assert (described / MARKER).is_file() and described.is_relative_to(tmp_path / "cache")
+    for f in model.iterdir():
+        if f.suffix == ".json":
+            assert (described / f.name).read_bytes() == f.read_bytes()
+    assert model_spec(described) == model_spec(model)
+    weights = described / "model.safetensors"
+    assert weights.stat().st_size < (model / "model.safetensors").stat().st_size / 100
+    assert ranked_plans(args, state) == here
+
+
 def test_a_shard_in_many_chunks_holds_exactly_the_slices(pair, tmp_path):
     """The receiver writes multi-chunk pieces at the right offsets (TP rank 1 of a 16 MB
     model in 64 KiB chunks), and a fetch cut after some chunks resumes from them."""
