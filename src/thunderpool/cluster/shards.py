@@ -295,6 +295,8 @@ def _split_features(
         return None
     block = m["block"]
     gate_name = "w1" if m["proj"].startswith("w") else "gate_proj"
+    if gate_name == "w1" and not block.startswith("block_sparse_moe.experts."):
+        return None  # w1/w2/w3 are Mixtral's expert names only (elsewhere they mean others)
     # The channel split _shard_glu takes: the gate's rows, in steps of quantization groups.
     gate = index.tensors.get(f"{prefix}{block}.{gate_name}.weight")
     if gate is None or len(gate.shape) < 2:
