@@ -17,6 +17,7 @@ import pytest
 import uvicorn
 from conftest import run_trace, tiny_prompts
 from test_control_plane import node
+from testbed import wait_until
 
 from thunderpool.cluster.agent import Agent, create_agent_app
 from thunderpool.cluster.auth import Identity, sign
@@ -25,7 +26,7 @@ from thunderpool.cluster.ranks import RankManager
 from thunderpool.cluster.shards import RankLayout, geometry, index_model, rank_pieces
 from thunderpool.cluster.source import ModelSource
 from thunderpool.cluster.transfer import encode
-from thunderpool.cluster.weights_api import RemoveShards
+from thunderpool.cluster.weights_api import FetchShards, RemoveShards
 from thunderpool.engine.job import RankJob, TraceTask
 from thunderpool.errors import ModelError
 from thunderpool.models.source import resolve_model
@@ -142,6 +143,7 @@ def quantize(model: Path, out: Path, bits: int = 4, group_size: int = 32) -> Pat
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama-q4", "qwen3_moe"])
 def test_tp2_slices_quantized_and_expert_matrices_at_the_source(pair, tiny_models, tmp_path, kind):
     """Packed weights with their scales and biases (rows, or whole input groups) and each
@@ -382,13 +384,21 @@ def third(pair, tmp_path_factory):
         yield c
 
 
+@pytest.mark.slow
 def test_a_node_fetches_what_a_peer_holds_from_that_peer(pair, third, tiny_models, tmp_path):
     """b holds TP rank 1's shard from an earlier plan; in a plan on b and c, c gets rank 1's
     pieces from b (checked against the source's hashes) while b fetches rank 0's from a."""
-    _, a, b, _ = pair
+    _, a, b, coord = pair
     c, model = third, tiny_models["qwen3"]
     ref = run_trace(model, tmp_path / "ref.npz", 1, prompts=tiny_prompts(2), max_tokens=16)
-    launch(pair, "tp", tmp_path / "ab.npz", model)  # b: rank 1's shard (cached, or now)
+    b_fetch = b.weights.start_fetch(
+        FetchShards(
+            model=str(model),
+            sources=(coord.discover().contacts["a"],),
+            ranks=(RankLayout(rank=1, world=2, parallel="tp"),),
+        )
+    )  # b: rank 1's shard (cached already, or now)
+    assert wait_until(lambda: b.weights.fetches[b_fetch].progress.state == "done", timeout=120)
     from_a, from_b = a.weights.source.served_bytes, b.weights.cache()["peer_served_bytes"]
     fetches_b = set(b.weights.fetches)
     launch(pair, "tp", tmp_path / "bc.npz", model, order=("b", "c"))
