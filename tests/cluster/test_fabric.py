@@ -301,7 +301,7 @@ def test_a_coordinator_without_the_model_plans_from_a_members_config_and_headers
     with pytest.raises(ModelError):
         models.resolve_model(str(model))
     monkeypatch.setenv("THUNDERPOOL_CACHE", str(tmp_path / "cache"))
-    described = model_here_or_remote(str(model), coord)
+    described = model_here_or_remote(str(model), lambda: coord)
     assert (described / MARKER).is_file() and described.is_relative_to(tmp_path / "cache")
     for f in model.iterdir():
         if f.suffix == ".json":

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,15 +26,18 @@ from thunderpool.errors import ModelError
 MARKER = "thunderpool-remote.json"  # written last: a directory without it is incomplete
 
 
-def model_here_or_remote(model: str | None, coordinator, cache_dir: Path | None = None) -> Path:
-    """This machine's copy of `model`, else the description of it fetched from a member."""
+def model_here_or_remote(
+    model: str | None, coordinator: Callable[[], object], cache_dir: Path | None = None
+) -> Path:
+    """This machine's copy of `model`, else the description of it fetched from a member
+    (`coordinator()` builds the Coordinator that asks them, only then)."""
     from thunderpool.models.source import resolve_model
 
     try:
         return resolve_model(model, progress=False)
     except ModelError as here:
         try:
-            return remote_model_dir(coordinator, model, cache_dir)
+            return remote_model_dir(coordinator(), model, cache_dir)
         except ModelError as there:
             raise ModelError(f"{here}; and {there}") from None
 

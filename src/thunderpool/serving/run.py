@@ -53,7 +53,7 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
         from thunderpool.cluster.cli import coordinator
         from thunderpool.cluster.remote_model import model_here_or_remote
 
-        model_dir = model_here_or_remote(args.model, coordinator(args))
+        model_dir = model_here_or_remote(args.model, lambda: coordinator(args))
     else:
         model_dir = resolve_model(args.model)
     config = read_config(model_dir)
