@@ -8,14 +8,21 @@ piece on first request), source-only again with the hashes cached, and with host
 already cached (pre-seeded). Each prints the bytes host 2 received, the fetch's rate against
 the limit and the measured link, and the time from launch to every rank loaded.
 
+With --serve, `thunderpool serve --cluster` itself is timed instead, from its start to READY
+(/health answers 200) and to the first answer of a request: source-only (host 2's cache empty)
+and with host 2 pre-seeded (its shard cached by the run before).
+
     flock /tmp/testbed.lock env PYTHONPATH=$PWD/src python3 scripts/bench_fabric.py --rate 200mbit
+    flock /tmp/testbed.lock env PYTHONPATH=$PWD/src python3 scripts/bench_fabric.py --serve
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,11 +54,14 @@ def main() -> int:
     p.add_argument("--rate", default="200mbit", help="tbf limit on host 2's link")
     p.add_argument("--workdir", default="/tmp/fabric-bench", help="model and caches")
     p.add_argument("--parallel", default="pp", choices=["pp", "tp"])
+    p.add_argument("--size", default="1b", help="synthetic preset (bench/synthetic.py)")
+    p.add_argument("--serve", action="store_true", help="time serve --cluster to READY")
+    p.add_argument("--api-port", type=int, default=18431)
     args = p.parse_args()
     if why := available():
         raise SystemExit(why)
     work = Path(args.workdir)
-    model = synthetic_model("1b", cache_dir=work / "source")
+    model = synthetic_model(args.size, cache_dir=work / "source")
     hidden = model.parent
     out = {"rate": args.rate, "model_bytes": sum(f.stat().st_size for f in model.iterdir())}
     with tempfile.TemporaryDirectory(prefix="fabric-bench-") as tmp, Testbed(2) as bed:
@@ -73,6 +83,16 @@ def main() -> int:
         ids = {state.contacts[n].split(":")[0]: n for n in state.nodes}
         order = [ids[bed.host(1).ip], ids[bed.host(2).ip]]
         agent2 = AgentClient(f"{bed.host(2).ip}:{AGENT_PORT}", TOKEN)
+        if args.serve:
+            for run in ("source-only", "pre-seeded"):
+                if run == "source-only":
+                    agent2.call("POST", "/v1/weights/cache/rm", RemoveShards())
+                row = _serve_run(args, model, first, Path(tmp), agent2, link.bandwidth_Bps)
+                row = {"run": run, **row}
+                print(json.dumps(row), flush=True)
+                out.setdefault("runs", []).append(row)
+            print(json.dumps(out, indent=1))
+            return 0
         task = TraceTask(prompts=((1, 2, 3),), max_tokens=1, out=f"{tmp}/trace.npz")
         job = RankJob(model_dir=str(model), world_size=2, parallel=args.parallel, task=task)
         for run in ("source-only, cold hashes", "source-only, hashes cached", "pre-seeded"):
@@ -103,6 +123,68 @@ def main() -> int:
             out.setdefault("runs", []).append(row)
     print(json.dumps(out, indent=1))
     return 0
+
+
+def _serve_run(args, model: Path, first: str, tmp: Path, agent2, link_Bps: float) -> dict:
+    """`serve --cluster` from its start to /health 200 (READY) and to one request answered."""
+    import httpx
+
+    _tokenizer(model)
+    fetches = set(agent2.call("GET", "/v1/weights/cache")["fetches"])
+    url = f"http://127.0.0.1:{args.api_port}"
+    log = (tmp / "serve.log").open("w")
+    cmd = [sys.executable, "-m", "thunderpool", "serve", "--cluster", "--join", first]
+    cmd += ["--token", TOKEN, "--model", str(model), "--parallel", args.parallel]
+    cmd += ["--nodes", "2", "--max-batch", "1", "--port", str(args.api_port)]
+    env = os.environ | {"THUNDERPOOL_HOME": str(tmp / "serve-home")}
+    start = time.monotonic()
+    serve = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, start_new_session=True)
+    ready = answered = None
+    try:
+        while serve.poll() is None and time.monotonic() - start < 1800:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    ready = time.monotonic() - start
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        if ready is None:
+            raise SystemExit(f"serve never became ready: {(tmp / 'serve.log').read_text()[-3000:]}")
+        body = {"model": model.name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
+        r.raise_for_status()
+        answered = time.monotonic() - start
+    finally:
+        serve.terminate()
+        try:
+            serve.wait(30)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+        log.close()
+    new = [f for i, f in agent2.call("GET", "/v1/weights/cache")["fetches"].items()
+           if i not in fetches]  # fmt: skip
+    got = sum(f["received_bytes"] for f in new)
+    seconds = sum(f["seconds"] for f in new)
+    return {
+        "received_bytes": got,
+        "fetch_seconds": round(seconds, 1),
+        "rate_Bps": got / seconds if got else 0.0,
+        "of_limit": got / seconds / rate_Bps(args.rate) if got else 0.0,
+        "of_measured_link": got / seconds / link_Bps if got else 0.0,
+        "serve_to_ready_s": round(ready, 1),
+        "serve_to_first_answer_s": round(answered, 1),
+    }
+
+
+def _tokenizer(model: Path) -> None:
+    """serve needs a tokenizer: the embedded SmolLM2's (its common words have ids < 32000)."""
+    from thunderpool.models.source import resolve_model
+
+    source = resolve_model(None, progress=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if not (model / name).exists():
+            shutil.copy(source / name, model / name)
 
 
 def _count(coord: Coordinator) -> int:

@@ -17,6 +17,7 @@ import pytest
 import uvicorn
 from conftest import run_trace, tiny_prompts
 from test_control_plane import node
+from testbed import wait_until
 
 from thunderpool.cluster.agent import Agent, create_agent_app
 from thunderpool.cluster.auth import Identity, sign
@@ -25,7 +26,7 @@ from thunderpool.cluster.ranks import RankManager
 from thunderpool.cluster.shards import RankLayout, geometry, index_model, rank_pieces
 from thunderpool.cluster.source import ModelSource
 from thunderpool.cluster.transfer import encode
-from thunderpool.cluster.weights_api import RemoveShards
+from thunderpool.cluster.weights_api import FetchShards, RemoveShards
 from thunderpool.engine.job import RankJob, TraceTask
 from thunderpool.errors import ModelError
 from thunderpool.models.source import resolve_model
@@ -87,12 +88,12 @@ def pair(tiny_models, tmp_path_factory):
         yield model, a, b, Coordinator([a_addr], TOKEN)
 
 
-def launch(pair, parallel: str, out: Path, model: Path | None = None) -> list:
+def launch(pair, parallel: str, out: Path, model: Path | None = None, order=("a", "b")) -> list:
     model, coord = model or pair[0], pair[3]
     state = coord.discover()
     task = TraceTask(prompts=tuple(map(tuple, tiny_prompts(2))), max_tokens=16, out=str(out))
     job = RankJob(model_dir=str(model), world_size=2, parallel=parallel, task=task)
-    with ClusterInstance(coord, state, ["a", "b"], job, timeout=300) as inst:
+    with ClusterInstance(coord, state, list(order), job, timeout=300) as inst:
         return list(inst.events())
 
 
@@ -128,6 +129,43 @@ def test_tp2_fetches_half_of_each_split_matrix_and_matches_one_rank(
     launch(pair, "tp", tmp_path / "tp2.npz", model)
     assert received(b) == again
     np.testing.assert_array_equal(np.load(tmp_path / "tp2.npz")["tokens"], ref["tokens"])
+
+
+def quantize(model: Path, out: Path, bits: int = 4, group_size: int = 32) -> Path:
+    """`model` quantized by mlx-lm (affine, every projection, embedding and head)."""
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    if not (out / "config.json").is_file():
+        weights, config = load_model(model)
+        weights, config = quantize_model(weights, config, group_size, bits)
+        save_model(out, weights)
+        save_config(config, out / "config.json")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama-q4", "qwen3_moe"])
+def test_tp2_slices_quantized_and_expert_matrices_at_the_source(pair, tiny_models, tmp_path, kind):
+    """Packed weights with their scales and biases (rows, or whole input groups) and each
+    expert's gate/up/down are cut at the source like parallel/tensor.py cuts them."""
+    _, a, b, _ = pair
+    model = tiny_models[kind.removesuffix("-q4")]
+    if kind.endswith("-q4"):  # beside the others, so node b cannot see it either
+        model = quantize(model, model.parent / kind)
+    index = index_model(model)
+    sliced = {p.name for p in rank_pieces(index, RankLayout(rank=1, world=2)) if p.axis is not None}
+    want = ("o_proj.scales", "down_proj.biases", "q_proj.weight", "lm_head.scales")
+    if kind == "qwen3_moe":
+        want = ("experts.3.gate_proj.weight", "experts.0.down_proj.weight", "o_proj.weight")
+    assert all(any(n.endswith(w) for n in sliced) for w in want), sorted(sliced)
+    ref = run_trace(model, tmp_path / "ref.npz", 1, prompts=tiny_prompts(2), max_tokens=16)
+    before = received(b)
+    events = launch(pair, "tp", tmp_path / "tp.npz", model)
+    np.testing.assert_array_equal(np.load(tmp_path / "tp.npz")["tokens"], ref["tokens"])
+    got = received(b) - before
+    files = sum(p.stat().st_size for p in model.iterdir() if p.suffix == ".json")
+    assert 0 < got <= (loaded_bytes(events, 1) + files) * 1.05, (got, loaded_bytes(events, 1))
+    assert got < 0.7 * (model / "model.safetensors").stat().st_size
 
 
 def test_pp2_fetches_its_stage_and_reuses_what_the_tp_shard_holds(pair, tmp_path):
@@ -212,25 +250,66 @@ def test_cache_ls_and_rm_from_the_command_line(pair):
     assert b.weights.cache()["shards"] == []
 
 
-def test_health_detail_names_each_fetching_node_in_the_dashboards_format():
-    import re
+def test_health_shows_each_fetching_nodes_bytes_rate_and_eta():
+    from fastapi.testclient import TestClient
 
+    from thunderpool.api.openapi import Health
+    from thunderpool.api.routes import create_app
     from thunderpool.cluster.cache_cli import health_listener
     from thunderpool.cluster.fabric import NodeFetch
+    from thunderpool.engine.service import EngineInfo
+    from thunderpool.serving.gateway import Gateway
 
-    class Gateway:
-        state, progress, detail = "loading", 0.0, ""
+    gw = Gateway(EngineInfo(model="m", max_context=64), None, "t")
+    mib = 1 << 20
+    snaps = [
+        {"total_bytes": 4 * mib, "done_bytes": 1 * mib, "rate_Bps": 2 * mib, "eta_s": 1.5},
+        {"total_bytes": 4 * mib, "done_bytes": 0, "rate_Bps": 0.0, "eta_s": None},
+    ]
+    health_listener(gw)([NodeFetch("b", "mac-2", snaps[0]), NodeFetch("c", "mac-3", snaps[1])])
+    r = TestClient(create_app(gw)).get("/health")
+    assert r.status_code == 503
+    body = Health.model_validate(r.json()).model_dump()
+    assert body["progress"] == 0.125 and body["detail"].startswith("fetching weights: mac-2 ")
+    assert body["fetch"] == [
+        {"node": "mac-2", "bytes_done": mib, "bytes_total": 4 * mib, "rate_Bps": 2.0 * mib,
+         "eta_s": 1.5},
+        {"node": "mac-3", "bytes_done": 0, "bytes_total": 4 * mib, "rate_Bps": 0.0, "eta_s": None},
+    ]  # fmt: skip
+    gw.lost("a node left")  # not loading weights any more: no per-node entries
+    assert "fetch" not in TestClient(create_app(gw)).get("/health").json()
 
-        def loading(self, progress, detail, state="loading"):
-            self.progress, self.detail, self.state = progress, detail, state
 
-    gw = Gateway()
-    snap = {"total_bytes": 4 << 20, "done_bytes": 1 << 20, "rate_Bps": 2 << 20, "eta_s": 1.5}
-    health_listener(gw)([NodeFetch("b", "mac-2", snap), NodeFetch("c", "mac-3", snap)])
-    assert gw.progress == 0.25 and gw.detail.startswith("fetching weights: ")
-    clause = re.compile(r"^(.*) ([\d.]+)/([\d.]+) MiB at ([\d.]+) MiB/s, ETA (.*)$")  # fetch.js
-    parsed = [clause.match(c).groups() for c in gw.detail[18:].split("; ")]
-    assert parsed == [(n, "1.0", "4.0", "2.0", "2 s") for n in ("mac-2", "mac-3")]
+def test_a_coordinator_without_the_model_plans_from_a_members_config_and_headers(
+    pair, tmp_path, monkeypatch
+):
+    """Only node a has the model, not this machine: the coordinator fetches its small files
+    and safetensors headers from a (hash-checked) and plans exactly as with a local copy."""
+    import argparse
+
+    import thunderpool.models.source as models
+    from thunderpool.cluster.cli import ranked_plans
+    from thunderpool.cluster.remote_model import MARKER, model_here_or_remote
+    from thunderpool.planner.spec import model_spec
+
+    model, _, _, coord = pair
+    state = coord.discover()
+    args = argparse.Namespace(model=str(model), join=[state.contacts["a"]], token=TOKEN)
+    here = ranked_plans(args, state)
+    hidden = hiding(model.parent)
+    monkeypatch.setattr(models, "resolve_model", lambda m, *_, **__: hidden(m))
+    with pytest.raises(ModelError):
+        models.resolve_model(str(model))
+    monkeypatch.setenv("THUNDERPOOL_CACHE", str(tmp_path / "cache"))
+    described = model_here_or_remote(str(model), lambda: coord)
+    assert (described / MARKER).is_file() and described.is_relative_to(tmp_path / "cache")
+    for f in model.iterdir():
+        if f.suffix == ".json":
+            assert (described / f.name).read_bytes() == f.read_bytes()
+    assert model_spec(described) == model_spec(model)
+    weights = described / "model.safetensors"
+    assert weights.stat().st_size < (model / "model.safetensors").stat().st_size / 100
+    assert ranked_plans(args, state) == here
 
 
 def test_a_shard_in_many_chunks_holds_exactly_the_slices(pair, tmp_path):
@@ -287,3 +366,46 @@ def test_a_shard_in_many_chunks_holds_exactly_the_slices(pair, tmp_path):
         np.testing.assert_array_equal(mine, want, err_msg=piece.key)
     on_disk = (shard / "model.safetensors").stat().st_blocks * 512
     assert on_disk < 0.6 * (model / "model.safetensors").stat().st_size
+
+
+# Last in this module: node c joins the pair's cluster for good.
+@pytest.fixture(scope="module")
+def third(pair, tmp_path_factory):
+    model, a, _, coord = pair
+    caches = tmp_path_factory.mktemp("caches-c")
+
+    def build(port):
+        ranks = RankManager(resolve_model=hiding(model.parent))
+        info = node("c", "127.0.0.1").model_copy(update={"port": port})
+        return Agent(Identity("c", TOKEN, False), info, f"127.0.0.1:{port}", 0, ranks, caches)
+
+    with serve(build) as (c, _):
+        c.join(coord.discover().contacts["a"])
+        yield c
+
+
+@pytest.mark.slow
+def test_a_node_fetches_what_a_peer_holds_from_that_peer(pair, third, tiny_models, tmp_path):
+    """b holds TP rank 1's shard from an earlier plan; in a plan on b and c, c gets rank 1's
+    pieces from b (checked against the source's hashes) while b fetches rank 0's from a."""
+    _, a, b, coord = pair
+    c, model = third, tiny_models["qwen3"]
+    ref = run_trace(model, tmp_path / "ref.npz", 1, prompts=tiny_prompts(2), max_tokens=16)
+    b_fetch = b.weights.start_fetch(
+        FetchShards(
+            model=str(model),
+            sources=(coord.discover().contacts["a"],),
+            ranks=(RankLayout(rank=1, world=2, parallel="tp"),),
+        )
+    )  # b: rank 1's shard (cached already, or now)
+    assert wait_until(lambda: b.weights.fetches[b_fetch].progress.state == "done", timeout=120)
+    from_a, from_b = a.weights.source.served_bytes, b.weights.cache()["peer_served_bytes"]
+    fetches_b = set(b.weights.fetches)
+    launch(pair, "tp", tmp_path / "bc.npz", model, order=("b", "c"))
+    np.testing.assert_array_equal(np.load(tmp_path / "bc.npz")["tokens"], ref["tokens"])
+    (mine,) = c.weights.cache()["fetches"].values()
+    assert mine["state"] == "done" and mine["peer_bytes"] == mine["received_bytes"] > 0, mine
+    assert b.weights.cache()["peer_served_bytes"] - from_b == mine["peer_bytes"]
+    (theirs,) = [f.progress for i, f in b.weights.fetches.items() if i not in fetches_b]
+    assert theirs.peer_bytes == 0 and theirs.received_bytes > 0  # rank 0: nobody holds it
+    assert a.weights.source.served_bytes - from_a == theirs.received_bytes

@@ -24,10 +24,10 @@ pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's ch
 class Gateway:
     """What health_listener drives, serving /health the way the API does while loading."""
 
-    state, progress, detail = "loading", 0.0, ""
+    state, progress, detail, fetch = "loading", 0.0, "", ()
 
-    def loading(self, progress, detail, state="loading"):
-        self.progress, self.detail, self.state = progress, detail, state
+    def loading(self, progress, detail, state="loading", fetch=()):
+        self.progress, self.detail, self.state, self.fetch = progress, detail, state, fetch
 
 
 def test_the_dashboard_draws_a_bar_per_fetching_node(tmp_path):
@@ -46,6 +46,7 @@ def test_the_dashboard_draws_a_bar_per_fetching_node(tmp_path):
     @app.get("/health")
     async def health():
         body = {"status": gw.state, "progress": gw.progress, "detail": gw.detail}
+        body["fetch"] = list(gw.fetch)
         return JSONResponse(body, status_code=503)
 
     for path in ("/v1/cluster", "/metrics"):

@@ -70,3 +70,66 @@ def test_the_source_refuses_what_is_not_in_the_model(model, tmp_path):
             source.chunk(None, piece, 0)
     with pytest.raises(SourceError, match="chunk 9"):
         source.chunk(None, Piece(name="b.weight"), 9)
+
+
+class FakeGroup:
+    """Rank r of n for tensor.shard, which only slices here: no collective runs."""
+
+    def __init__(self, n: int, r: int):
+        self.n, self.r = n, r
+
+    def size(self) -> int:
+        return self.n
+
+    def rank(self) -> int:
+        return self.r
+
+
+def _kept(model) -> dict[str, np.ndarray]:
+    """The rank's parameters under their stored names (wrappers' names taken out)."""
+    from mlx.utils import tree_flatten
+
+    out = {}
+    for name, v in tree_flatten(model.parameters()):
+        for wrapper in (".inner.", ".rows.", ".head."):
+            name = name.replace(wrapper, ".")
+        out[name] = np.array(v)
+    return out
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_tp_pieces_are_exactly_what_each_rank_keeps(tmp_path, quantized):
+    """Stacked (E, out, in) experts in mlx-lm's layout, plain or 4-bit in groups of 32 (an
+    uneven channel split, 64 + 32), sliced at the source: every sliced piece equals the part
+    of that tensor rank r keeps after parallel/tensor.py and vocab.py shard the full model."""
+    from conftest import TINY
+    from mlx_lm.utils import _get_classes, load_model, quantize_model, save_config, save_model
+
+    from thunderpool.cluster.shards import RankLayout, rank_pieces
+    from thunderpool.parallel import tensor, vocab
+
+    config = {**TINY["qwen3_moe"], "moe_intermediate_size": 96}
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(config))
+    if quantized:
+        model, config = quantize_model(model, config, 32, 4)
+    path = tmp_path / "moe"
+    save_model(path, model)
+    save_config(config, path / "config.json")
+    stored = {k: np.array(v) for k, v in mx.load(str(path / "model.safetensors")).items()}
+    index = index_model(path)
+    for r in (0, 1):
+        pieces = [p for p in rank_pieces(index, RankLayout(rank=r, world=2)) if p.axis is not None]
+        names = {p.name for p in pieces}
+        assert any("switch_mlp.down_proj" in n for n in names), sorted(names)
+        if quantized:
+            assert any(n.endswith("switch_mlp.down_proj.scales") for n in names)
+            assert any(n.endswith("o_proj.biases") for n in names)
+        rank_model, _ = load_model(path, lazy=True)
+        tensor.shard(rank_model, FakeGroup(2, r))
+        vocab.split_vocab(rank_model, FakeGroup(2, r), None)
+        kept = _kept(rank_model)
+        for p in pieces:
+            want = np.take(stored[p.name], range(p.a, p.b), axis=p.axis)
+            np.testing.assert_array_equal(kept[p.name], want, err_msg=f"rank {r}: {p.key}")

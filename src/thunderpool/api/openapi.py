@@ -45,10 +45,21 @@ HISTORY = {
 }
 
 
+class NodeFetchProgress(BaseModel):
+    """One node's weight fetch while `serve --cluster` loads."""
+
+    node: str
+    bytes_done: int
+    bytes_total: int
+    rate_Bps: float  # bytes per second received so far
+    eta_s: float | None = None
+
+
 class Health(BaseModel):
     status: str
     progress: float | None = None
     detail: str | None = None
+    fetch: list[NodeFetchProgress] | None = None
 
 
 HEALTH = {

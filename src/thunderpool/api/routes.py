@@ -200,6 +200,8 @@ def create_app(
         if s.state == "ready":
             return JSONResponse({"status": "ok"})
         body = {"status": s.state, "progress": round(s.progress, 4), "detail": s.detail}
+        if s.fetch:  # weights moving over the fabric: each node's bytes, rate and ETA
+            body["fetch"] = list(s.fetch)
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.get("/metrics", dependencies=guarded, response_class=PlainTextResponse, **doc({}))

@@ -119,9 +119,9 @@ class FetchBars:
 
 
 def health_listener(gateway):
-    """/health's progress and detail while nodes fetch weights, one clause per node:
-    "fetching weights: NAME DONE/TOTAL MiB at RATE MiB/s, ETA S s; ..." (the dashboard's
-    fetch.js draws a bar per clause)."""
+    """/health while nodes fetch weights: `fetch`, one entry per node (bytes done and total,
+    rate, ETA; the dashboard's fetch.js draws a bar for each), the overall fraction, and a
+    detail line "fetching weights: NAME DONE/TOTAL MiB at RATE MiB/s, ETA S s; ..."."""
 
     def show(fetches: list[NodeFetch]) -> None:
         total = sum(f.snapshot["total_bytes"] for f in fetches)
@@ -135,8 +135,17 @@ def health_listener(gateway):
                 f"at {s['rate_Bps'] / 2**20:.1f} MiB/s, ETA {eta}"
             )
         phase = gateway.state if gateway.state in ("loading", "recovering") else "loading"
-        gateway.loading(
-            done / total if total else 1.0, "fetching weights: " + "; ".join(parts), phase
+        nodes = tuple(
+            {
+                "node": f.name,
+                "bytes_done": f.snapshot["done_bytes"],
+                "bytes_total": f.snapshot["total_bytes"],
+                "rate_Bps": f.snapshot["rate_Bps"],
+                "eta_s": f.snapshot.get("eta_s"),
+            }
+            for f in fetches
         )
+        fraction = done / total if total else 1.0
+        gateway.loading(fraction, "fetching weights: " + "; ".join(parts), phase, nodes)
 
     return show

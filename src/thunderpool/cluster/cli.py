@@ -107,11 +107,12 @@ def add_plan_parser(sub) -> None:
 
 
 def ranked_plans(args: argparse.Namespace, state: ClusterState):
-    from thunderpool.models.source import resolve_model
+    from thunderpool.cluster.remote_model import model_here_or_remote
     from thunderpool.planner.placement import place
     from thunderpool.planner.spec import model_spec
 
-    spec = model_spec(resolve_model(args.model))
+    # The coordinator needs only the config and headers: from a member if it lacks the model.
+    spec = model_spec(model_here_or_remote(args.model, lambda: coordinator(args)))
     nodes, links = node_specs(state)
     concurrency = getattr(args, "concurrency", 1)  # bench's --concurrency is a list of levels
     return place(
@@ -133,7 +134,7 @@ def plan_main(args: argparse.Namespace) -> int:
     table = plan_table(plans[: args.top], names)
     console = Console()
     console.print(table)
-    console.print(verified_line(args.model), soft_wrap=True)
+    console.print(verified_line(args.model, lambda: coordinator(args)), soft_wrap=True)
     # The winner is what `--cluster` would launch: verified plans only, unless allowed.
     runnable = [p for p in plans if p.verified or args.allow_untested]
     if runnable:
@@ -143,14 +144,17 @@ def plan_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def verified_line(model: str | None) -> str:
-    """`verified layouts for llama: tp, pp` for the model `--model` names."""
+def verified_line(model: str | None, coord=None) -> str:
+    """`verified layouts for llama: tp, pp` for the model `--model` names; `coord` builds the
+    coordinator that asks a member for its config when this machine has no copy."""
     import json
 
+    from thunderpool.cluster.remote_model import model_here_or_remote
     from thunderpool.models.families import describe, family_of
     from thunderpool.models.source import resolve_model
 
-    config = json.loads((resolve_model(model) / "config.json").read_text())
+    where = model_here_or_remote(model, coord) if coord else resolve_model(model)
+    config = json.loads((where / "config.json").read_text())
     return describe(family_of(config))
 
 

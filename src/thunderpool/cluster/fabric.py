@@ -2,7 +2,8 @@
 the model fetches its ranks' shards from a node that has it, over the link the planner measured.
 
 Nodes pull in parallel, each from the source with the fastest measured link to it (RDMA or
-Thunderbolt first, as the reducer keeps the fastest path per pair).
+Thunderbolt first, as the reducer keeps the fastest path per pair), and first from any peer
+whose cache already holds a piece (a node that fetched it for an earlier plan).
 """
 
 from __future__ import annotations
@@ -66,13 +67,18 @@ def place_weights(
     members = sorted(state.nodes)
     model = job.model_dir or None  # "" names the default model, as on the ranks
 
+    identity: dict[str, str] = {}
+
     def has(node: str, download: bool = False) -> bool:
         try:
             req = Locate(model=model, download=download)
             timeout = 3600.0 if download else 30.0  # a download of the whole model, once
-            return bool(client(node).call("POST", "/v1/weights/locate", req, timeout)["has"])
+            found = client(node).call("POST", "/v1/weights/locate", req, timeout)
         except AgentError:
             return False
+        if found["has"]:
+            identity[node] = found.get("identity", "")
+        return bool(found["has"])
 
     with ThreadPoolExecutor(max(len(members), 1)) as pool:
         holders = dict(zip(members, pool.map(has, members), strict=True))
@@ -91,12 +97,17 @@ def place_weights(
             "node (a local directory, a .gguf file, or a hub download there)"
         )
     world = len(order)
+    cached = _cached_peers(client, [n for n in members if not holders[n]], identity)
     started: dict[str, str] = {}
     for node in receivers:
         ranked = sorted(sources, key=lambda s, n=node: _link_rank(state, s, n))
+        peers = sorted(
+            (p for p in cached if p != node), key=lambda p, n=node: _link_rank(state, p, n)
+        )
         req = FetchShards(
             model=model,
             sources=tuple(source_address(state, s, node) for s in ranked),
+            peers=tuple(source_address(state, p, node) for p in peers),
             ranks=tuple(rank_layout(job, r, world) for r, o in enumerate(order) if o == node),
         )
         try:
@@ -106,6 +117,24 @@ def place_weights(
                 f"cannot start the weight fetch on {_name(state, node)}: {e}"
             ) from None
     return _wait(client, state, started, report)
+
+
+def _cached_peers(client, nodes: list[str], identity: dict[str, str]) -> list[str]:
+    """The nodes whose cache holds a complete shard of this model (same identity as the
+    sources report): each serves its pieces to the others (`thunderpool status` lists them)."""
+    wanted = set(identity.values())
+
+    def holds(node: str) -> bool:
+        try:
+            shards = client(node).call("GET", "/v1/weights/cache", timeout=NODE_TIMEOUT_S)["shards"]
+        except AgentError:
+            return False
+        return any(s.get("identity") in wanted for s in shards)
+
+    if not nodes or not wanted:
+        return []
+    with ThreadPoolExecutor(len(nodes)) as pool:
+        return [n for n, ok in zip(nodes, pool.map(holds, nodes), strict=True) if ok]
 
 
 def _link_rank(state: ClusterState, source: str, receiver: str) -> tuple[float, float]:

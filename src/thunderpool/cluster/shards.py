@@ -18,14 +18,16 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from thunderpool.errors import ModelError
+from thunderpool.errors import ModelError, ShardingError
 from thunderpool.parallel.pipeline import split_layers
 from thunderpool.parallel.tensor import proportional_split, split_heads
 
 CHUNK_BYTES = 8 << 20
 # Row ranges of the vocabulary tables are written at their place in a full-shape, sparse
 # tensor, not pre-sliced: a rank may read its rows of them straight from the file by name.
-IN_PLACE = ("lm_head.weight", "model.embed_tokens.weight")
+IN_PLACE = tuple(
+    f"{m}.{t}" for m in ("lm_head", "model.embed_tokens") for t in ("weight", "scales", "biases")
+)
 # Families whose embedding is a plain nn.Embedding, which a vocabulary split may cut by rows.
 _PLAIN_EMBEDDING = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 SHARD_MANIFEST = "thunderpool-shard.json"  # engine/loader.py reads the same name
@@ -216,50 +218,118 @@ def _in_stage(name: str, config: dict, layout: RankLayout) -> bool:
 
 def _tp_piece(name: str, index: ModelIndex, layout: RankLayout) -> Piece:
     """The slice tensor.shard / vocab.split_head keep of `name` on this rank; whole where
-    the slicing is not a plain range of this one tensor (quantized, MoE experts, unknown)."""
+    the slicing is not a plain range of this one tensor (fused or MLA projections, unknown)."""
     config, t = index.config, index.tensors[name]
     whole = Piece(name=name)
+    if "quantization_config" in config and "quantization" not in config:
+        return whole  # a hub format mlx-lm converts on load: its stored layout is not ours
     weights = list(layout.tp_weights or [1.0] * layout.world)
-    if "quantization" in config or "quantization_config" in config:
-        return whole
-    if len(t.shape) == 2 and (
-        name == "lm_head.weight"
-        or (
-            name == "model.embed_tokens.weight"
-            and _splits_embedding()
-            and config.get("model_type") in _PLAIN_EMBEDDING
-        )
+    module, kind = name.rsplit(".", 1) if "." in name else (name, "")
+    if module == "lm_head" or (
+        module == "model.embed_tokens"
+        and _splits_embedding()
+        and config.get("model_type") in _PLAIN_EMBEDDING
     ):
+        if len(t.shape) != 2 or kind == "bias":
+            return whole
         a, b = proportional_split(t.shape[0], weights)[layout.rank]  # parallel/vocab.py
         return Piece(name=name, axis=0, a=a, b=b)
-    if not _LAYER.search(name):
+    m = _LAYER.search(name)
+    if m is None:
         return whole
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    share = split_heads(heads, kv, weights)[layout.rank]
-    q = (share.q0 * head_dim, share.q1 * head_dim)
-    k = (share.kv0 * head_dim, share.kv1 * head_dim)
-    suffix = name.split(".layers.", 1)[1].split(".", 1)[1]  # e.g. "self_attn.q_proj.weight"
-    rows: dict[str, tuple[int, int]] = {
-        "self_attn.q_proj.weight": q, "self_attn.q_proj.bias": q,
-        "self_attn.k_proj.weight": k, "self_attn.k_proj.bias": k,
-        "self_attn.v_proj.weight": k, "self_attn.v_proj.bias": k,
-    }  # fmt: skip
-    cols = {"self_attn.o_proj.weight": q}
-    gate = index.tensors.get(name.removesuffix(suffix) + "mlp.gate_proj.weight")
-    if gate is not None and len(gate.shape) == 2:
-        # The channel split _shard_glu takes, from the gate's own row count.
-        mlp = proportional_split(gate.shape[0], weights)[layout.rank]
-        rows |= {"mlp.gate_proj.weight": mlp, "mlp.up_proj.weight": mlp}
-        cols |= {"mlp.down_proj.weight": mlp}
-    if suffix in rows and len(t.shape) in (1, 2):
-        a, b = rows[suffix]
-        return Piece(name=name, axis=0, a=a, b=b)
-    if suffix in cols and len(t.shape) == 2:
-        a, b = cols[suffix]
-        return Piece(name=name, axis=1, a=a, b=b)
-    return whole
+    prefix = name[: m.end()]  # "model.layers.3."
+    features = _split_features(index, prefix, module[m.end() :], weights, layout.rank)
+    if features is None:
+        return whole
+    (a, b), by_rows = features
+    quant = _quantization(index, module)
+    if quant == "unknown":
+        return whole
+    if by_rows:  # output features: rows of weight, scales, biases; the bias's last axis
+        if kind not in ("weight", "scales", "biases", "bias") or len(t.shape) < 1:
+            return whole
+        axis = len(t.shape) - 1 if kind == "bias" else len(t.shape) - 2
+        return Piece(name=name, axis=axis, a=a, b=b) if axis >= 0 else whole
+    if kind not in ("weight", "scales", "biases") or len(t.shape) < 2:
+        return whole  # a column-split bias is added once, after the all_sum: whole
+    if quant is not None:  # input groups: packed words of weight, groups of scales/biases
+        bits, gs = quant
+        if a % gs or b % gs:
+            return whole
+        a, b = (a * bits // 32, b * bits // 32) if kind == "weight" else (a // gs, b // gs)
+    return Piece(name=name, axis=len(t.shape) - 1, a=a, b=b)
+
+
+# Projections whose output rows (True) or input columns (False) a TP rank keeps, by their
+# name inside a layer: attention (q/k/v/o) and every gated MLP, dense, shared or expert.
+_ATTENTION = {"q_proj": True, "k_proj": True, "v_proj": True, "o_proj": False}
+_GLU = {"gate_proj": True, "up_proj": True, "down_proj": False, "w1": True, "w3": True, "w2": False}
+_MLP = re.compile(
+    r"^(?P<block>(?:mlp|block_sparse_moe)(?:\.(?:switch_mlp|shared_experts?|experts\.\d+))?)"
+    r"\.(?P<proj>\w+)$"
+)
+
+
+def _split_features(
+    index: ModelIndex, prefix: str, module: str, weights: list[float], rank: int
+) -> tuple[tuple[int, int], bool] | None:
+    """This rank's output or input feature range [a, b) of the projection `module` of the
+    layer at `prefix`, and whether it is a row (output) split; None: it is kept whole."""
+    config = index.config
+    if module.startswith("self_attn."):
+        proj = module.removeprefix("self_attn.")
+        if (
+            proj not in _ATTENTION
+            or f"{prefix}self_attn.kv_a_proj_with_mqa.weight" in index.tensors
+        ):
+            return None  # MLA attention splits through mlx-lm's own shard(): whole
+        heads = config["num_attention_heads"]
+        kv = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        share = split_heads(heads, kv, weights)[rank]
+        if proj in ("k_proj", "v_proj"):
+            return (share.kv0 * head_dim, share.kv1 * head_dim), True
+        return (share.q0 * head_dim, share.q1 * head_dim), _ATTENTION[proj]
+    m = _MLP.match(module)
+    if m is None or m["proj"] not in _GLU:
+        return None
+    block = m["block"]
+    gate_name = "w1" if m["proj"].startswith("w") else "gate_proj"
+    if gate_name == "w1" and not block.startswith("block_sparse_moe.experts."):
+        return None  # w1/w2/w3 are Mixtral's expert names only (elsewhere they mean others)
+    # The channel split _shard_glu takes: the gate's rows, in steps of quantization groups.
+    gate = index.tensors.get(f"{prefix}{block}.{gate_name}.weight")
+    if gate is None or len(gate.shape) < 2:
+        return None
+    siblings = [
+        f"{prefix}{block}.{p}" for p in (("w1", "w2", "w3") if gate_name == "w1" else
+                                         ("gate_proj", "up_proj", "down_proj"))
+    ]  # fmt: skip
+    quants = [_quantization(index, s) for s in siblings]
+    if "unknown" in quants:
+        return None
+    align = max((q[1] for q in quants if q), default=1)
+    try:
+        span = proportional_split(gate.shape[-2], weights, align)[rank]
+    except ShardingError:
+        return None  # the rank refuses this split itself, with its own message
+    return span, _GLU[m["proj"]]
+
+
+def _quantization(index: ModelIndex, module: str) -> tuple[int, int] | str | None:
+    """(bits, group_size) of a quantized projection as config.json states it, None for a
+    plain one, "unknown" where the stored shapes do not match the config."""
+    if f"{module}.scales" not in index.tensors:
+        return None
+    q = index.config.get("quantization") or {}
+    q = q.get(module) if isinstance(q.get(module), dict) else q
+    bits, gs = q.get("bits"), q.get("group_size")
+    w, s = index.tensors.get(f"{module}.weight"), index.tensors[f"{module}.scales"]
+    if bits not in (2, 4, 8) or not gs or w is None or w.dtype != "U32":
+        return "unknown"
+    if w.shape[-1] * 32 // bits != s.shape[-1] * gs:
+        return "unknown"
+    return bits, gs
 
 
 def _splits_embedding() -> bool:

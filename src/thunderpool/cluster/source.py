@@ -3,6 +3,7 @@
 Reads only the bytes asked for (safetensors headers give the offsets; a column slice reads its
 rows' block and keeps its columns), never a whole file. Each piece's chunk hashes are computed
 once and kept in the cache directory, so every later receiver is checked against the same ones.
+A node without the model serves, to its peers, the pieces its complete shards already hold.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from thunderpool.cluster.shards import (
     CHUNK_BYTES,
+    SHARD_MANIFEST,
     ModelIndex,
     Piece,
     geometry,
@@ -156,3 +158,52 @@ def _pread(fd: int, length: int, offset: int) -> bytes:
         parts.append(part)
         got += len(part)
     return b"".join(parts)
+
+
+class CachedPieces:
+    """Pieces this node already holds, verified, in its complete shards: what it serves to a
+    peer fetching the same model (a peer checks every chunk against the source's hashes)."""
+
+    def __init__(self, shards_root: Path):
+        self.root = shards_root
+        self._held: dict[str, dict[str, tuple[Path, int, int]]] = {}
+        self._lock = threading.Lock()
+        self.served_bytes = 0
+
+    def held(self, identity: str) -> dict[str, tuple[Path, int, int]]:
+        """piece key -> (file, offset, size) of its byte stream, over this model's shards."""
+        found: dict[str, tuple[Path, int, int]] = {}
+        for manifest in sorted(self.root.glob(f"*/*/{SHARD_MANIFEST}")):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                m = json.loads(manifest.read_text())
+                if m["identity"] != identity:
+                    continue
+                for key, (name, offset, size) in m["pieces"].items():
+                    found.setdefault(key, (manifest.parent / name, int(offset), int(size)))
+        with self._lock:
+            self._held[identity] = found
+        return found
+
+    def read(self, identity: str, key: str, offset: int, length: int) -> bytes:
+        with self._lock:
+            where = self._held.get(identity, {}).get(key)
+        if where is None:
+            where = self.held(identity).get(key)
+        if where is None:
+            raise SourceError(f"this node holds no verified copy of {key}")
+        path, base, size = where
+        if not (0 <= offset and 0 <= length and offset + length <= size):
+            raise SourceError(f"bytes {offset}+{length} are outside {key} ({size} bytes)")
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:  # removed since (`cache rm`): the peer falls back to the source
+            with self._lock:
+                self._held.pop(identity, None)
+            raise SourceError(f"{key} is no longer cached here: {e}") from None
+        try:
+            data = _pread(fd, length, base + offset)
+        finally:
+            os.close(fd)
+        with self._lock:
+            self.served_bytes += len(data)
+        return data

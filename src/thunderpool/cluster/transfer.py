@@ -5,6 +5,8 @@ exactly the pieces a rank loads, the model's small files, and a manifest written
 directory without it is never loaded. Every chunk is checked against the source's hash before
 it is written; a cut transfer resumes from the chunks logged (and re-verified) on disk, and a
 piece already present in another shard of the same model is copied locally, not fetched.
+A piece a peer already holds (a verified copy in its cache) is asked of that peer first, then
+of the source; its bytes pass the same hash check.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class Progress:
     total_bytes: int = 0
     done_bytes: int = 0  # verified: fetched, copied from another shard, or already on disk
     received_bytes: int = 0  # payload bytes that crossed the network in this fetch
+    peer_bytes: int = 0  # of which from peers' caches, not from a source
     metadata_bytes: int = 0  # the index and hash lists (JSON) it asked for
     reused_bytes: int = 0  # copied from another local shard of the same model
     corrupt_chunks: int = 0
@@ -86,11 +89,12 @@ class Progress:
     last_progress: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, done: int = 0, received: int = 0, reused: int = 0) -> None:
+    def add(self, done: int = 0, received: int = 0, reused: int = 0, peer: int = 0) -> None:
         with self.lock:
             self.done_bytes += done
             self.received_bytes += received
             self.reused_bytes += reused
+            self.peer_bytes += peer
             self.last_progress = time.monotonic()
 
     def end(self, state: str, error: str = "") -> None:
@@ -108,6 +112,7 @@ class Progress:
                 "total_bytes": self.total_bytes,
                 "done_bytes": self.done_bytes,
                 "received_bytes": self.received_bytes,
+                "peer_bytes": self.peer_bytes,
                 "metadata_bytes": self.metadata_bytes,
                 "reused_bytes": self.reused_bytes,
                 "corrupt_chunks": self.corrupt_chunks,
@@ -145,6 +150,13 @@ class SourceClient:
     def rotate(self) -> None:
         self._turn += 1
 
+    def get_from(self, address: str, path: str) -> bytes:
+        """One signed GET to one agent (a peer), no retry: the caller falls back."""
+        r = self._client().get(f"http://{address}{path}", headers=sign(self.token, "GET", path))
+        if r.status_code >= 400:
+            raise FetchError(f"{address} refused {path.split('?')[0]}: {r.text[:200]}")
+        return r.content
+
 
 @dataclass
 class _Shard:
@@ -170,11 +182,16 @@ class ShardFetch:
         layouts: list[RankLayout],
         chunk: int = CHUNK_BYTES,
         workers: int = 4,
+        peers: list[str] | None = None,
     ):
         self.cache_dir, self.client, self.model = cache_dir, client, model
         self.layouts, self.chunk, self.workers = layouts, chunk, workers
+        self.peers = list(peers or [])
         self.progress = Progress()
         self._m = encode(model or "")
+        self._holders: dict[str, list[str]] = {}  # piece key -> peers holding it, in order
+        self._bad_peers: set[str] = set()
+        self._identity = ""
 
     def run(self) -> dict[int, Path]:
         try:
@@ -188,6 +205,7 @@ class ShardFetch:
     def _run(self) -> dict[int, Path]:
         index = ModelIndex.model_validate_json(self._meta(f"/v1/weights/index?m={self._m}"))
         root = shards_root(self.cache_dir) / model_label(index)
+        self._identity = index.identity
         dirs: dict[int, Path] = {}
         todo: dict[str, _Shard] = {}
         for layout in self.layouts:
@@ -202,6 +220,8 @@ class ShardFetch:
         with self.progress.lock:
             self.progress.total_bytes, self.progress.state = sum(sizes), "fetching"
         reuse = _other_shards(root, set(todo))
+        if todo:
+            self._holders = self._peer_pieces(index.identity)
         for shard in todo.values():
             _open(shard)
         try:
@@ -217,6 +237,45 @@ class ShardFetch:
                 for fd in shard.fds.values():
                     os.close(fd)
         return dirs
+
+    def _peer_pieces(self, identity: str) -> dict[str, list[str]]:
+        """piece key -> the peers that hold a verified copy of it (asked once each)."""
+        holders: dict[str, list[str]] = {}
+        for peer in self.peers:
+            try:
+                keys = json.loads(self._get_meta_from(peer, f"/v1/weights/held?i={identity}"))
+            except (httpx.HTTPError, FetchError, ValueError) as e:
+                log.warning("peer %s cannot list its pieces (%s); not asking it", peer, e)
+                continue
+            for key in keys:
+                holders.setdefault(key, []).append(peer)
+        return holders
+
+    def _get_meta_from(self, peer: str, path: str) -> bytes:
+        data = self.client.get_from(peer, path)
+        with self.progress.lock:
+            self.progress.metadata_bytes += len(data)
+        return data
+
+    def _from_peer(self, key: str, offset: int, length: int, want: str) -> bytes | None:
+        """The chunk from the first peer holding it whose bytes pass the hash, else None."""
+        for peer in self._holders.get(key, ()):
+            if peer in self._bad_peers:
+                continue
+            path = f"/v1/weights/piece?p={encode(key)}&o={offset}&n={length}"
+            try:
+                data = self.client.get_from(peer, f"{path}&i={self._identity}")
+            except (httpx.HTTPError, FetchError) as e:
+                log.warning("peer %s did not serve %s (%s); trying elsewhere", peer, key, e)
+                self._bad_peers.add(peer)
+                continue
+            if len(data) == length and _digest(data) == want:
+                return data
+            with self.progress.lock:
+                self.progress.corrupt_chunks += 1
+            log.warning("a chunk of %s from peer %s failed its hash; not asking it", key, peer)
+            self._bad_peers.add(peer)
+        return None
 
     def _meta(self, path: str) -> bytes:
         data = self._get(path)
@@ -258,6 +317,11 @@ class ShardFetch:
             if data is not None and _digest(data) == want:
                 _write(shard, fd, at, data, piece.key, k, want)
                 self.progress.add(done=length, reused=length)
+                continue
+            data = self._from_peer(piece.key, offset, length, want)
+            if data is not None:
+                _write(shard, fd, at, data, piece.key, k, want)
+                self.progress.add(done=length, received=length, peer=length)
                 continue
             corrupt = 0
             while True:

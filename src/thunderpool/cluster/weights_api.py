@@ -6,6 +6,8 @@ cluster members, and a request without the token is refused before any byte is r
 
 from __future__ import annotations
 
+import contextlib
+import json
 import shutil
 import threading
 import uuid
@@ -16,7 +18,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from thunderpool.cluster.shards import CHUNK_BYTES, SHARD_MANIFEST, RankLayout
-from thunderpool.cluster.source import ModelSource, SourceError
+from thunderpool.cluster.source import CachedPieces, ModelSource, SourceError
 from thunderpool.cluster.transfer import (
     FetchError,
     ShardFetch,
@@ -43,6 +45,9 @@ class FetchShards(_Wire):
 
     model: str | None = None
     sources: tuple[str, ...]  # host:port of agents holding the model, fastest link first
+    # host:port of members whose cached shards hold pieces of the model: each piece is
+    # asked of a peer that holds it first, then of a source
+    peers: tuple[str, ...] = ()
     ranks: tuple[RankLayout, ...]
     chunk: int = Field(CHUNK_BYTES, ge=1 << 16, le=1 << 28)
     workers: int = Field(4, ge=1, le=32)
@@ -59,6 +64,7 @@ class Weights:
     def __init__(self, token: str, resolve, cache_dir: Path):
         self.token, self.cache_dir = token, cache_dir
         self.source = ModelSource(resolve, cache_dir)
+        self.peers = CachedPieces(shards_root(cache_dir))
         self.fetches: dict[str, ShardFetch] = {}
         self.received_bytes = 0  # weight and file bytes, over every fetch since the start
         self.metadata_bytes = 0  # index and hash lists
@@ -67,8 +73,9 @@ class Weights:
     def start_fetch(self, req: FetchShards) -> str:
         client = SourceClient(list(req.sources), self.token)
         fetch = ShardFetch(
-            self.cache_dir, client, req.model, list(req.ranks), req.chunk, req.workers
-        )
+            self.cache_dir, client, req.model, list(req.ranks), req.chunk, req.workers,
+            peers=list(req.peers),
+        )  # fmt: skip
         fetch_id = uuid.uuid4().hex[:10]
         with self._lock:
             self.fetches[fetch_id] = fetch
@@ -91,7 +98,13 @@ class Weights:
             d = manifest.parent
             # Blocks, not apparent sizes: in-place vocabulary rows leave holes in the file.
             size = sum(f.stat().st_blocks * 512 for f in d.iterdir() if f.is_file())
-            shards.append({"model": d.parent.name, "key": d.name, "bytes": size, "path": str(d)})
+            identity = ""
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                identity = json.loads(manifest.read_text())["identity"]
+            shards.append(
+                {"model": d.parent.name, "key": d.name, "bytes": size, "path": str(d),
+                 "identity": identity}
+            )  # fmt: skip
         fetches = {i: f.progress.snapshot() for i, f in list(self.fetches.items())}
         live = [f.progress for f in self.fetches.values() if f.progress.state in _LIVE]
         return {
@@ -100,6 +113,7 @@ class Weights:
             "received_bytes": self.received_bytes + sum(p.received_bytes for p in live),
             "metadata_bytes": self.metadata_bytes + sum(p.metadata_bytes for p in live),
             "served_bytes": self.source.served_bytes,
+            "peer_served_bytes": self.peers.served_bytes,  # from its shards, to peers
         }
 
     def remove(self, req: RemoveShards) -> list[str]:
@@ -141,6 +155,16 @@ def add_weight_routes(app: FastAPI, weights: Weights, signed) -> None:
     @app.get("/v1/weights/chunk")
     def chunk(m: str, p: str, k: int, c: int = CHUNK_BYTES, _: bytes = Depends(signed)):
         data = served(lambda: weights.source.chunk(model(m), piece(p), k, _chunk(c)))
+        return Response(data, media_type="application/octet-stream")
+
+    @app.get("/v1/weights/held")
+    def held(i: str, _: bytes = Depends(signed)):
+        return sorted(weights.peers.held(i))
+
+    @app.get("/v1/weights/piece")
+    def peer_piece(i: str, p: str, o: int, n: int, _: bytes = Depends(signed)):
+        _chunk(max(n, 1 << 16))
+        data = served(lambda: weights.peers.read(i, piece(p).key, o, n))
         return Response(data, media_type="application/octet-stream")
 
     @app.post("/v1/weights/locate")

@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.utils import load_config, load_model
+from mlx_lm.utils import _get_classes, load_config, load_model
 
 from thunderpool.engine.runner import Runner
 from thunderpool.errors import ModelError
@@ -122,9 +122,10 @@ def build_lazy(model_dir: Path) -> tuple[nn.Module, dict]:
     manifest = model_dir / SHARD_MANIFEST
     try:
         if manifest.is_file():
-            model, config = load_model(model_dir, lazy=True, strict=False)
-            _unslice(model, json.loads(manifest.read_text()).get("slices", {}), model_dir)
-            return model, config
+            slices = json.loads(manifest.read_text()).get("slices", {})
+            return load_model(
+                model_dir, lazy=True, strict=False, get_model_classes=_padding(slices, model_dir)
+            )
         return load_model(model_dir, lazy=True, strict=True)
     except ValueError as e:
         if "not supported" in str(e):
@@ -136,14 +137,30 @@ def build_lazy(model_dir: Path) -> tuple[nn.Module, dict]:
         raise ModelError(f"cannot build the model in {model_dir}: {e}") from e
 
 
-def _unslice(model: nn.Module, slices: dict, model_dir: Path) -> None:
-    """Pad each pre-sliced tensor back to its full shape at its offset (lazily), so the usual
-    shard() cuts out exactly the rows or columns that were fetched."""
-    params = dict(tree_flatten(model.parameters()))
-    updates = []
+def _padding(slices: dict, model_dir: Path):
+    """mlx-lm's model classes, whose sanitize() first pads each pre-sliced stored tensor
+    back to its full shape at its offset (lazily): the usual shard() then cuts out exactly
+    the rows or columns that were fetched, whatever sanitize() renames or stacks (experts)."""
+
+    def classes(config: dict):
+        model_cls, args_cls = _get_classes(config)
+
+        def sanitize(self, weights: dict) -> dict:
+            weights = _unslice(weights, slices, model_dir)
+            base = getattr(model_cls, "sanitize", None)
+            return base(self, weights) if base is not None else weights
+
+        padded = type(model_cls.__name__, (model_cls,), {"sanitize": sanitize})
+        padded.__module__ = model_cls.__module__  # families are named by their module
+        return padded, args_cls
+
+    return classes
+
+
+def _unslice(weights: dict, slices: dict, model_dir: Path) -> dict:
+    out = dict(weights)
     for name, s in slices.items():
-        x = params.get(name)
-        full = tuple(s["shape"])
+        x, full = out.get(name), tuple(s["shape"])
         pads = [(0, 0)] * len(full)
         pads[s["axis"]] = (s["a"], full[s["axis"]] - s["b"])
         if (
@@ -152,8 +169,8 @@ def _unslice(model: nn.Module, slices: dict, model_dir: Path) -> None:
             or any(d + lo + hi != f for d, (lo, hi), f in zip(x.shape, pads, full, strict=True))
         ):
             raise ModelError(f"shard {model_dir} holds a slice of {name} this model cannot take")
-        updates.append((name, mx.pad(x, pads)))
-    model.load_weights(updates, strict=False)
+        out[name] = mx.pad(x, pads)
+    return out
 
 
 def unloaded_modules(model: nn.Module, model_dir: Path) -> dict[int, tuple[nn.Module, str]]:

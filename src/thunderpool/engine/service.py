@@ -41,6 +41,8 @@ class EngineStatus:
     state: str
     progress: float = 0.0  # 0..1 while loading
     detail: str = ""
+    # While nodes fetch weights: per node {node, bytes_done, bytes_total, rate_Bps, eta_s}.
+    fetch: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ class Gateway:
     def __init__(self, info: EngineInfo, tokenizer: Any, token: str):
         self.info, self.tokenizer, self.token = info, tokenizer, token
         self.state, self.progress, self.detail = "loading", 0.0, "loading model shards"
+        self.fetch: tuple[dict, ...] = ()  # each node's weight fetch, while weights move
         self.on_link_lost: Callable[[str], None] = lambda reason: None
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -53,7 +54,7 @@ class Gateway:
 
     # EngineClient
     def status(self) -> EngineStatus:
-        return EngineStatus(self.state, self.progress, self.detail)
+        return EngineStatus(self.state, self.progress, self.detail, self.fetch)
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
@@ -97,9 +98,11 @@ class Gateway:
                 self._send(sock, link.Cancel(id=req.id))
 
     # The supervisor's side
-    def loading(self, progress: float, detail: str, state: str = "loading") -> None:
+    def loading(
+        self, progress: float, detail: str, state: str = "loading", fetch: tuple[dict, ...] = ()
+    ) -> None:
         """No instance serves yet: the first one loading, or a new one after a loss."""
-        self.state, self.progress, self.detail = state, progress, detail
+        self.state, self.progress, self.detail, self.fetch = state, progress, detail, fetch
 
     def attach(self, host: str, port: int) -> None:
         """Connect to a ready leader, then resubmit every request that has not started."""
@@ -118,7 +121,7 @@ class Gateway:
             self._generation += 1
             self._sock = sock
             waiting = sorted(self._requests.values(), key=lambda r: r.id)
-            self.state, self.progress, self.detail = "ready", 1.0, ""
+            self.state, self.progress, self.detail, self.fetch = "ready", 1.0, "", ()
         reader = threading.Thread(
             target=self._read, args=(sock, self._generation), name="engine-link", daemon=True
         )
@@ -133,7 +136,7 @@ class Gateway:
         with self._lock:
             sock, self._sock = self._sock, None
             self._generation += 1
-            self.state, self.progress, self.detail = state, 0.0, reason
+            self.state, self.progress, self.detail, self.fetch = state, 0.0, reason, ()
             started = [r for r in self._requests.values() if r.started or state == "failed"]
             for r in started:
                 del self._requests[r.id]

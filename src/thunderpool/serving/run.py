@@ -38,6 +38,7 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
     from mlx_lm.utils import load_tokenizer
 
     from thunderpool.cluster.mpi import LOCAL_BACKENDS, resolve_backend
+    from thunderpool.cluster.remote_model import MARKER as REMOTE
     from thunderpool.config import api_key_from_env
     from thunderpool.engine.loader import read_config
     from thunderpool.engine.service import EngineInfo
@@ -50,14 +51,21 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
     api_key = args.api_key or api_key_from_env()
     check_exposure(args.host, api_key, args.insecure)
     backend = resolve_backend(args, args.nodes or 2)
-    model_dir = resolve_model(args.model)
+    if args.cluster:  # config and tokenizer from a member when this machine lacks the model
+        from thunderpool.cluster.cli import coordinator
+        from thunderpool.cluster.remote_model import model_here_or_remote
+
+        model_dir = model_here_or_remote(args.model, lambda: coordinator(args))
+    else:
+        model_dir = resolve_model(args.model)
     config = read_config(model_dir)
     if not args.cluster:
         guard(config, args.nodes or 2, args.parallel or "tp", args.allow_untested, console)
     tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
     limit = config.get("max_position_embeddings") or 4096
     max_context = min(args.max_context or limit, limit)
-    name = model_dir.name
+    # A model described by a member (remote_model.py): named as the user named it.
+    name = Path(args.model).name if (model_dir / REMOTE).is_file() else model_dir.name
     info = EngineInfo(name, max_context, int(time.time()), {"model": name})
     if args.cluster:
         plan, token, members = _cluster(args, name, max_context, console)

@@ -1,7 +1,7 @@
 // thunderpool dashboard: one progress bar per node while it fetches its weights over the
-// fabric. Reads /health's detail ("fetching weights: NAME D/T MiB at R MiB/s, ETA S; ...").
+// fabric. Reads /health's `fetch`: per node {node, bytes_done, bytes_total, rate_Bps, eta_s}.
 (() => {
-  const CLAUSE = /^(.*) ([\d.]+)\/([\d.]+) MiB at ([\d.]+) MiB\/s, ETA (.*)$/;
+  const MIB = 1 << 20;
 
   function box() {
     let root = document.getElementById("fetches");
@@ -43,13 +43,11 @@
     try {
       const res = await fetch("/health", { cache: "no-store" });
       const body = await res.json();
-      const detail = (body && body.detail) || "";
-      const clauses = detail.startsWith("fetching weights: ")
-        ? detail.slice(18).split("; ").map((s) => s.match(CLAUSE)).filter(Boolean).map((m) => ({
-            name: m[1], done: +m[2], total: +m[3], rate: +m[4], eta: m[5],
-          }))
-        : [];
-      render(clauses);
+      const nodes = (body && Array.isArray(body.fetch)) ? body.fetch : [];
+      render(nodes.map((n) => ({
+        name: n.node, done: n.bytes_done / MIB, total: n.bytes_total / MIB,
+        rate: n.rate_Bps / MIB, eta: n.eta_s == null ? "-" : `${Math.round(n.eta_s)} s`,
+      })));
     } catch (e) {
       render([]);
     }
