@@ -87,7 +87,8 @@ async def admit(engine: EngineClient, conv: Conversation, prefix: str) -> Admitt
     """Checks, renders the prompt and builds the Job; the engine is not called yet."""
     tools = [dict(t) for t in conv.tools] if conv.tool_choice != "none" else []
     if conv.tools:
-        check_tools(engine.tokenizer, engine.info.model)
+        family = str(engine.info.cluster.get("model_type") or "")
+        check_tools(engine.tokenizer, engine.info.model, family)
         check_choice(conv.tool_choice)
     if not conv.messages and conv.raw is None:
         raise bad_request("at least one message is required", param=conv.prompt_field)

@@ -49,17 +49,20 @@ def function_tool(name: Any, description: Any, parameters: Any, where: str) -> d
         raise bad_request(
             f"{where}: the parameters of '{name}' must be a JSON schema object", where
         )
-    function: dict[str, Any] = {"name": name, "parameters": parameters or {"type": "object"}}
+    function: dict[str, Any] = {"name": name}  # OpenAI's key order, as templates print it
     if description is not None:
         function["description"] = str(description)
+    function["parameters"] = parameters or {"type": "object"}
     return {"type": "function", "function": function}
 
 
-def check_tools(tokenizer: Any, model: str, param: str = "tools") -> None:
+def check_tools(tokenizer: Any, model: str, family: str = "", param: str = "tools") -> None:
     """Refuse tools for a model whose chat template mlx-lm has no tool parser for."""
     if not getattr(tokenizer, "has_tool_calling", False):
+        kind = f" (family '{family}')" if family else ""
         raise bad_request(
-            f"'{param}' is not supported by the served model '{model}': its chat template has no "
+            f"'{param}' is not supported by the served model '{model}'{kind}: its chat template "
+            "has no "
             "tool-call format that mlx-lm's tool parsers know (for example Qwen, Llama 3.1+, "
             "Mistral, GLM, Kimi, Gemma); serve such a model to use tools",
             param=param,
@@ -161,14 +164,14 @@ class ToolSplitter:
         if not self.in_call:
             return [Text(rest)] if rest else []
         self.in_call = False
-        return self._parsed(rest) or [Text(self.start + rest)]
+        return self._parsed(rest, closed=False)
 
-    def _parsed(self, body: str) -> list[Text | Call]:
+    def _parsed(self, body: str, closed: bool = True) -> list[Text | Call]:
         try:
             parsed = self.parse(body, self.tools)
         except Exception as e:  # a truncated or malformed call; mlx-lm's server drops it too
             log.warning("tool call did not parse (%s: %s); returned as text", type(e).__name__, e)
-            return [Text(self.start + body + self.end)]
+            return [Text(self.start + body + (self.end if closed else ""))]
         out: list[Text | Call] = []
         for call in parsed if isinstance(parsed, list) else [parsed]:
             args = call.get("arguments", {})

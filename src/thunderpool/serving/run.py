@@ -56,7 +56,9 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
     limit = config.get("max_position_embeddings") or 4096
     max_context = min(args.max_context or limit, limit)
     name = model_dir.name
-    info = EngineInfo(name, max_context, int(time.time()), {"model": name})
+    # model_type names the family where tools are refused, and in Ollama's /api/show.
+    cluster = {"model": name, "model_type": str(config.get("model_type", ""))}
+    info = EngineInfo(name, max_context, int(time.time()), cluster)
     if args.cluster:
         plan, token, members = _cluster(args, name, max_context, console)
     else:
@@ -158,7 +160,7 @@ def _start_api(args, gateway, supervisor, api_key: str | None) -> str:
     from thunderpool.api.routes import create_app
     from thunderpool.serving.admin import mount_admin
 
-    app = create_app(gateway, api_key=api_key)
+    app = create_app(gateway, api_key=api_key, cors_origins=args.cors_origin)
     mount_admin(app, supervisor, api_key)
     mount_dashboard(app)
     server = uvicorn.Server(
