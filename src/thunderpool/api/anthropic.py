@@ -38,6 +38,7 @@ class TextBlock(Strict):
     type: Literal["text"]
     text: str
     cache_control: dict[str, Any] | None = None  # a caching hint; our prefix cache is automatic
+    citations: list[Any] | None = None  # echoed back from an earlier answer; not model input
 
 
 class ToolUseBlock(Strict):
@@ -46,6 +47,8 @@ class ToolUseBlock(Strict):
     name: str
     input: dict[str, Any]
     cache_control: dict[str, Any] | None = None
+    caller: Any = None  # echoed back from an earlier answer (who made the call)
+    toolset_name: str | None = None
 
 
 class ToolResultBlock(Strict):
