@@ -94,6 +94,8 @@ class MessagesRequest(Strict):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     metadata: dict[str, Any] | None = None  # e.g. user_id: for the caller's records
+    cache_control: dict[str, Any] | None = None  # a caching hint; our prefix cache is automatic
+    service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
 
 
 class AnthropicUsage(BaseModel):

@@ -32,14 +32,14 @@ DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's own
 OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "seed", "stop", "num_ctx"}
 
 
-class CalledFunction(Strict):
+class OllamaFunction(Strict):
     name: str
     arguments: dict[str, Any]
     index: int | None = None
 
 
 class OllamaToolCall(Strict):
-    function: CalledFunction
+    function: OllamaFunction
 
 
 class OllamaMessage(Strict):

@@ -35,19 +35,19 @@ CLIENT_CLOSED = 499
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
-class ContentPart(Strict):
+class InputPart(Strict):
     type: Literal["input_text", "output_text"]
     text: str
     annotations: list[Any] | None = None
     logprobs: list[Any] | None = None
 
 
-class InputItem(Strict):
+class ResponsesItem(Strict):
     """A message (`type` "message" or absent), an earlier `function_call`, or its output."""
 
     type: Literal["message", "function_call", "function_call_output"] = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
-    content: str | list[ContentPart] | None = None
+    content: str | list[InputPart] | None = None
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
@@ -56,7 +56,7 @@ class InputItem(Strict):
     status: str | None = None
 
 
-class FunctionTool(Strict):
+class ResponsesTool(Strict):
     type: Literal["function"]
     name: str
     description: str | None = None
@@ -64,27 +64,27 @@ class FunctionTool(Strict):
     strict: bool | None = None
 
 
-class TextFormat(Strict):
+class ResponsesTextFormat(Strict):
     type: Literal["text"]
 
 
-class TextConfig(Strict):
-    format: TextFormat | None = None
+class ResponsesText(Strict):
+    format: ResponsesTextFormat | None = None
 
 
 class ResponsesRequest(Strict):
     model: str
-    input: str | list[InputItem]
+    input: str | list[ResponsesItem]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     stream: bool | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[ResponsesTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    store: Literal[False] | None = None  # nothing is kept; None is read as "not stored"
-    text: TextConfig | None = None
+    store: bool | None = None  # nothing is kept: true is refused, absent reads as false
+    text: ResponsesText | None = None
     truncation: Literal["disabled"] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -110,7 +110,7 @@ class ResponseObject(BaseModel):
     text: dict[str, Any] = {"format": {"type": "text"}}
 
 
-def _text(content: str | list[ContentPart] | None) -> str:
+def _text(content: str | list[InputPart] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "".join(p.text for p in content)
@@ -168,6 +168,12 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> str:
 
 
 def to_conversation(req: ResponsesRequest) -> Conversation:
+    if req.store:
+        raise bad_request(
+            "store=true is not supported: responses are not kept; send store=false and the "
+            "whole conversation as 'input'",
+            param="store",
+        )
     if isinstance(req.input, list) and not req.input:
         raise bad_request("'input' must not be empty", param="input")
     sampling = SamplingFields(
