@@ -224,3 +224,22 @@ def test_cors_preflight_only_for_allowed_origins(url):
     assert r.headers["access-control-allow-origin"] == ORIGIN
     r = httpx.get(f"{url}/v1/models", headers={"Origin": "http://evil.test"})
     assert "access-control-allow-origin" not in r.headers
+
+
+def test_the_key_is_checked_in_each_api_s_own_error_shape(engine):
+    from fastapi.testclient import TestClient
+
+    client = TestClient(create_app(engine, api_key="sk-k"))
+    msg = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    r = client.post("/v1/messages", json=msg, headers={"x-api-key": "sk-k"})
+    assert r.status_code == 200 and r.json()["content"][0]["text"] == "Hello world"
+    r = client.post("/v1/messages", json=msg, headers={"x-api-key": "wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    chat = {"model": MODEL, "stream": False, "messages": msg["messages"]}
+    r = client.post("/api/chat", json=chat)
+    assert r.status_code == 401 and "API key" in r.json()["error"]
+    r = client.post("/api/chat", json=chat, headers={"Authorization": "Bearer sk-k"})
+    assert r.status_code == 200 and r.json()["message"]["content"] == "Hello world"
+    r = client.post("/v1/responses", json={"model": MODEL, "input": "Hi"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert client.get("/api/version").status_code == 200  # open, as Ollama's is

@@ -71,8 +71,7 @@ def api_key_guard(api_key: str | None) -> Callable[[Request], None]:
         if not (hmac.compare_digest(given, expected) or hmac.compare_digest(other, expected)):
             raise APIError(
                 401,
-                "missing or incorrect API key; send 'Authorization: Bearer <key>' "
-                "(or 'x-api-key: <key>')",
+                "missing or incorrect API key; send 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
             )
 
