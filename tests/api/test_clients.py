@@ -243,3 +243,89 @@ def test_the_key_is_checked_in_each_api_s_own_error_shape(engine):
     r = client.post("/v1/responses", json={"model": MODEL, "input": "Hi"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert client.get("/api/version").status_code == 200  # open, as Ollama's is
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/messages", {"thinking": {"type": "enabled", "budget_tokens": 64}}, "thinking"),
+        (
+            "/v1/messages",
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image", "source": {"type": "base64", "data": "x"}}],
+                    }
+                ]
+            },
+            "messages.0.content",
+        ),
+        (
+            "/v1/messages",
+            {
+                "tool_choice": {"type": "any"},
+                "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+            },
+            "tool_choice",
+        ),
+        ("/api/chat", {"format": "json"}, "format"),
+        ("/api/chat", {"think": True}, "think"),
+        ("/api/chat", {"options": {"num_gpu": 1}}, "options.num_gpu"),
+        (
+            "/api/chat",
+            {"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]},
+            "messages.0.images",
+        ),
+        ("/api/generate", {"suffix": "}"}, "suffix"),
+        ("/api/generate", {"context": [1, 2]}, "context"),
+        ("/v1/responses", {"reasoning": {"effort": "low"}}, "reasoning"),
+        ("/v1/responses", {"store": True}, "store"),
+        ("/v1/responses", {"text": {"format": {"type": "json_object"}}}, "text.format"),
+        (
+            "/v1/responses",
+            {"tool_choice": "required", "tools": [{"type": "function", "name": "f"}]},
+            "tool_choice",
+        ),
+    ],
+)
+def test_each_api_refuses_what_it_cannot_honour_naming_it(engine, path, body, param):
+    from fastapi.testclient import TestClient
+
+    base = {
+        "/v1/messages": {
+            "model": MODEL,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "Hi"}],
+        },
+        "/api/chat": {
+            "model": MODEL,
+            "stream": False,
+            "messages": [{"role": "user", "content": "Hi"}],
+        },
+        "/api/generate": {"model": MODEL, "stream": False, "prompt": "Hi"},
+        "/v1/responses": {"model": MODEL, "input": "Hi"},
+    }[path]
+    r = TestClient(create_app(engine)).post(path, json={**base, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    message = error if isinstance(error, str) else error["message"]
+    # Ollama's errors are one string, which names the parameter in full.
+    assert (param if isinstance(error, str) else param.split(".")[0]) in message, message
+    if path == "/v1/responses":
+        assert error["param"].startswith(param)
+
+
+def test_ollama_raw_generate_skips_the_template(engine):
+    from fastapi.testclient import TestClient
+
+    body = {"model": MODEL, "stream": False, "raw": True, "prompt": "Once upon"}
+    r = TestClient(create_app(engine)).post("/api/generate", json=body)
+    assert r.json()["response"] == "Hello world"
+    assert engine.tokenizer.decode(engine.calls[-1][0]) == "Once upon"
+    body = {"model": MODEL, "stream": False, "system": "Be brief.", "prompt": "Once upon"}
+    TestClient(create_app(engine)).post("/api/generate", json=body)
+    assert engine.tokenizer.decode(engine.calls[-1][0]) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nOnce upon<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )

@@ -129,7 +129,7 @@ def _sampling(req: _Generating) -> tuple[SamplingFields, int | None]:
     options = dict(req.options or {})
     if unknown := sorted(set(options) - OPTIONS):
         raise bad_request(
-            f"option '{unknown[0]}' is not supported; supported: {sorted(OPTIONS)}",
+            f"'options.{unknown[0]}' is not supported; supported options: {sorted(OPTIONS)}",
             f"options.{unknown[0]}",
         )
     try:
@@ -168,7 +168,9 @@ def chat_conversation(req: OllamaChatRequest) -> Conversation:
     messages = []
     for i, m in enumerate(req.messages or []):
         if m.images:
-            raise bad_request("images are not supported", param=f"messages.{i}.images")
+            raise bad_request(
+                f"'messages.{i}.images': images are not supported", f"messages.{i}.images"
+            )
         msg: dict[str, Any] = {"role": m.role, "content": m.content or ""}
         if m.tool_calls:
             msg["tool_calls"] = [
