@@ -167,5 +167,10 @@ def test_a_model_without_a_tool_format_refuses_tools_naming_its_family():
     assert r.status_code == 200 and fake.tokenizer.decode(fake.calls[-1][0]) == (
         "<assistant>\n<tool>42\n<assistant>"
     )
+    # A forced call is refused with tools or without; "none" with tools needs no tool format.
+    r = chat(TestClient(create_app(fake)), tool_choice="required")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    r = chat(TestClient(create_app(fake)), tools=[WEATHER_TOOL], tool_choice="none")
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello world"
     r = chat(TestClient(create_app(fake)), messages=[{"role": "tool", "content": "42"}])
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.tool_call_id"

@@ -86,10 +86,10 @@ def template_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[
 async def admit(engine: EngineClient, conv: Conversation, prefix: str) -> Admitted:
     """Checks, renders the prompt and builds the Job; the engine is not called yet."""
     tools = [dict(t) for t in conv.tools] if conv.tool_choice != "none" else []
-    if conv.tools:
+    if tools:  # tool_choice "none" needs no tool format: the tools stay out of the prompt
         family = str(engine.info.cluster.get("model_type") or "")
         check_tools(engine.tokenizer, engine.info.model, family)
-        check_choice(conv.tool_choice)
+    check_choice(conv.tool_choice)  # "required" or a name, with tools or without
     if not conv.messages and conv.raw is None:
         raise bad_request("at least one message is required", param=conv.prompt_field)
     s = engine.status()

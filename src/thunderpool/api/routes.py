@@ -39,6 +39,7 @@ from thunderpool.api.generation import (
 from thunderpool.api.metrics import CONTENT_TYPE, HTTPCounter, render
 from thunderpool.api.schemas import ChatRequest, CompletionRequest, ModelCard, ModelList
 from thunderpool.api.sse import EventStream, until_disconnect
+from thunderpool.api.tools import SERVED_CHOICES
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.service import EngineClient
 
@@ -150,7 +151,7 @@ def create_app(
         prompts.check_model(req.model, engine.info.model)
         prompts.check_supported(req)
         conv = openai_chat.to_conversation(req)
-        if conv.tools and conv.tool_choice != "none":
+        if (conv.tools and conv.tool_choice != "none") or conv.tool_choice not in SERVED_CHOICES:
             return await chat_with_tools(request, conv, req)
         ready()
         messages = list(conv.messages)
