@@ -135,6 +135,8 @@ def test_anthropic_messages_text_and_tool_use(url):
     r = client.messages.create(model=MODEL, max_tokens=8, messages=ask, system="Be brief.")
     assert [b.text for b in r.content] == ["Hello world"] and r.stop_reason == "end_turn"
     assert r.usage.output_tokens == 2
+    count = client.messages.count_tokens(model=MODEL, messages=ask, system="Be brief.")
+    assert count.input_tokens == r.usage.input_tokens
     with client.messages.stream(model=MODEL, max_tokens=8, messages=ask) as s:
         assert "".join(s.text_stream) == "Hello world"
         assert s.get_final_message().stop_reason == "end_turn"

@@ -196,7 +196,7 @@ def test_every_api_gives_the_same_greedy_text(server):
     ask = [{"role": "user", "content": q}]
     ref = oa.chat.completions.create(model=MODEL, max_tokens=n, temperature=0, messages=ask)
     text = ref.choices[0].message.content
-    k = ref.usage.completion_tokens
+    k, k_in = ref.usage.completion_tokens, ref.usage.prompt_tokens
     # It ends with its end token: each API's own word for that is checked below.
     assert text == "The capital of France is Paris." and ref.choices[0].finish_reason == "stop"
 
@@ -215,6 +215,7 @@ def test_every_api_gives_the_same_greedy_text(server):
     m = an.messages.create(model=MODEL, max_tokens=n, messages=ask, **greedy)
     assert m.content[0].text == text and m.stop_reason == "end_turn"
     assert (m.usage.input_tokens, m.usage.output_tokens) == (ref.usage.prompt_tokens, k)
+    assert an.messages.count_tokens(model=MODEL, messages=ask).input_tokens == k_in
     m = an.messages.create(model=MODEL, max_tokens=3, messages=ask, **greedy)
     assert text.startswith(m.content[0].text) and m.stop_reason == "max_tokens"
     with an.messages.stream(model=MODEL, max_tokens=n, messages=ask, **greedy) as s:

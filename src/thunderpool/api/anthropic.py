@@ -22,6 +22,7 @@ from thunderpool.api.conversation import (
     Turn,
     admit,
     collect_turn,
+    render,
     turn,
 )
 from thunderpool.api.errors import APIError, bad_request
@@ -81,18 +82,21 @@ class AnthropicToolChoice(Strict):
     disable_parallel_tool_use: bool | None = None
 
 
-class MessagesRequest(Strict):
+class CountTokensRequest(Strict):
     model: str
-    max_tokens: int
     messages: list[AnthropicMessage]
     system: str | list[TextBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int
     stop_sequences: list[str] | None = None
     stream: bool | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    tools: list[AnthropicTool] | None = None
-    tool_choice: AnthropicToolChoice | None = None
     metadata: dict[str, Any] | None = None  # e.g. user_id: for the caller's records
     cache_control: dict[str, Any] | None = None  # a caching hint; our prefix cache is automatic
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
@@ -192,6 +196,10 @@ def _tool_choice(choice: AnthropicToolChoice | None) -> str:
         case AnthropicToolChoice(type="tool"):
             raise bad_request("tool_choice of type 'tool' needs a 'name'", param="tool_choice")
     return choice.type
+
+
+class TokenCount(BaseModel):
+    input_tokens: int
 
 
 def to_conversation(req: MessagesRequest) -> Conversation:
@@ -336,3 +344,22 @@ def mount(
         if t is None:
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(body(admitted, t).model_dump(mode="json"))
+
+    count_doc = openapi.route(
+        {"model": TokenCount},
+        (400, 404, 503),
+        CountTokensRequest,
+        {k: v for k, v in example.items() if k != "max_tokens"},
+        guarded=keyed,
+        error="AnthropicError",
+    )
+
+    @app.post("/v1/messages/count_tokens", **count_doc)
+    @anthropic_errors
+    async def count_tokens(request: Request) -> Response:
+        """The prompt's length, as agents ask before sending a long conversation."""
+        req = await parse(request, CountTokensRequest)
+        prompts.check_model(req.model, engine.info.model)
+        full = MessagesRequest(**dict(req), max_tokens=1)
+        ids = await render(engine, to_conversation(full))
+        return JSONResponse(TokenCount(input_tokens=len(ids)).model_dump())

@@ -83,9 +83,9 @@ def template_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[
     return [int(t) for t in ids]
 
 
-async def admit(engine: EngineClient, conv: Conversation, prefix: str) -> Admitted:
-    """Checks, renders the prompt and builds the Job; the engine is not called yet."""
-    tools = [dict(t) for t in conv.tools] if conv.tool_choice != "none" else []
+async def render(engine: EngineClient, conv: Conversation) -> list[int]:
+    """The prompt's token ids, after the checks that do not depend on sampling."""
+    tools = _offered(conv)
     if tools:  # tool_choice "none" needs no tool format: the tools stay out of the prompt
         family = str(engine.info.cluster.get("model_type") or "")
         check_tools(engine.tokenizer, engine.info.model, family)
@@ -96,16 +96,25 @@ async def admit(engine: EngineClient, conv: Conversation, prefix: str) -> Admitt
     if s.state != "ready":
         raise not_ready(s.state, s.detail)
     if conv.raw is not None:
-        ids = await to_thread.run_sync(prompts.completion_prompt, engine.tokenizer, conv.raw)
-    else:
-        msgs = [dict(m) for m in conv.messages]
-        ids = await to_thread.run_sync(template_prompt, engine.tokenizer, msgs, tools)
+        return await to_thread.run_sync(prompts.completion_prompt, engine.tokenizer, conv.raw)
+    msgs = [dict(m) for m in conv.messages]
+    return await to_thread.run_sync(template_prompt, engine.tokenizer, msgs, tools)
+
+
+def _offered(conv: Conversation) -> list[dict[str, Any]]:
+    return [dict(t) for t in conv.tools] if conv.tool_choice != "none" else []
+
+
+async def admit(engine: EngineClient, conv: Conversation, prefix: str) -> Admitted:
+    """Checks, renders the prompt and builds the Job; the engine is not called yet."""
+    ids = await render(engine, conv)
     limit = engine.info.max_context
     if conv.context is not None:
         limit = min(limit, conv.context)
     req = conv.sampling
     params = prompts.sampling_params(req, req.max_tokens, len(ids), limit, conv.prompt_field)
     job = Job(new_id(prefix), int(time.time()), engine.info.model, ids, params)
+    tools = _offered(conv)
     splitter = ToolSplitter.of(engine.tokenizer, tools) if tools else None
     return Admitted(job, splitter, params.stop)
 

@@ -48,6 +48,7 @@ log = logging.getLogger("thunderpool.api")
 # The other APIs' bodies and errors, for /openapi.json.
 WIRE_MODELS = (
     anthropic.MessagesRequest,
+    anthropic.CountTokensRequest,
     anthropic.AnthropicError,
     ollama.OllamaChatRequest,
     ollama.OllamaGenerateRequest,
