@@ -15,7 +15,7 @@ from tool_engine import WEATHER_TOOL, ToolEngine, qwen_tokenizer_dir
 
 from thunderpool.api import create_app
 from thunderpool.api.errors import APIError
-from thunderpool.api.tools import Call, Text, ToolSplitter, call_schema
+from thunderpool.api.tools import Call, Text, ToolSplitter, call_schema, forced_call
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -76,6 +76,9 @@ def test_call_schema_accepts_the_forced_call_only():
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "later", "arguments": {}}, anyone)
     assert call_schema([WEATHER_TOOL]) == named  # one tool: no anyOf
+    # What constrained decoding would emit for it reads back as the call.
+    call = forced_call('{"name": "get_weather", "arguments": {"city": "Paris"}}')
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
     with pytest.raises(APIError, match="not among the tools"):
         call_schema(tools, "later")
     with pytest.raises(APIError, match="at least one tool"):

@@ -106,6 +106,13 @@ def call_schema(tools: Sequence[dict[str, Any]], choice: str | None = "required"
     return calls[choice]
 
 
+def forced_call(text: str) -> Call:
+    """The call in a constrained generation's text (a JSON object matching `call_schema`):
+    forced calls carry no family markers, so they are read here rather than by the splitter."""
+    value = json.loads(text)
+    return Call(new_call_id(), value["name"], json.dumps(value["arguments"], ensure_ascii=False))
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
