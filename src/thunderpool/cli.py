@@ -151,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--insecure", action="store_true", help="allow a non-loopback --host without --api-key"
     )
     srv.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let browser pages from ORIGIN call the API, e.g. http://localhost:3000 "
+        "(repeatable; '*' allows any; default: none)",
+    )
+    srv.add_argument(
         "--max-batch", type=_positive, default=8, help="requests decoded together (default 8)"
     )
     srv.add_argument(

@@ -286,7 +286,13 @@ def test_n_above_one_is_400(client):
     ("body", "message", "param"),
     [
         ({"logprobs": True}, "logprobs are not supported", "logprobs"),
-        ({"tools": [{"type": "function"}]}, "tools are not supported", "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "'tools' is not supported by the served model 'fake-model': its chat template has no "
+            "tool-call format that mlx-lm's tool parsers know (for example Qwen, Llama 3.1+, "
+            "Mistral, GLM, Kimi, Gemma); serve such a model to use tools",
+            "tools",
+        ),
         ({"messages": []}, "'messages' must contain at least one message", "messages"),
         ({"stop": ["a", ""]}, "stop strings must not be empty", "stop"),
         ({"top_p": 1.5}, "top_p=1.5 must be in (0, 1]", "top_p"),

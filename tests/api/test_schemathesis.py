@@ -65,23 +65,60 @@ fuzz = settings(
 )
 
 
-@open_api.parametrize()
+# The other APIs (Anthropic, Ollama, Responses) get fewer examples: they share the
+# Conversation behind OpenAI chat, and CI time is short.
+OTHERS = r"^/(api/|v1/messages|v1/responses)"
+
+
+@open_api.exclude(path_regex=OTHERS).parametrize()
 @fuzz
 def test_without_a_key(case):
     case.call_and_validate(excluded_checks=EXCLUDED)
 
 
-@keyed_api.parametrize()
+@open_api.include(path_regex=OTHERS).parametrize()
+@settings(fuzz, max_examples=10)
+def test_other_apis_without_a_key(case):
+    case.call_and_validate(excluded_checks=EXCLUDED)
+
+
+@keyed_api.exclude(path_regex=OTHERS).parametrize()
 @fuzz
 def test_with_a_key(case):
     case.call_and_validate(headers=AUTH, excluded_checks=EXCLUDED)
 
 
-@loading_api.parametrize()
+@keyed_api.include(path_regex=OTHERS).parametrize()
+@settings(fuzz, max_examples=6)
+def test_other_apis_with_a_key(case):
+    case.call_and_validate(headers=AUTH, excluded_checks=EXCLUDED)
+
+
+@loading_api.exclude(path_regex=OTHERS).parametrize()
 @settings(fuzz, max_examples=10)
 def test_while_loading(case):
     """The 503s (and their Retry-After) are as documented too: here a 5xx is the answer."""
     case.call_and_validate(excluded_checks=[*EXCLUDED, not_a_server_error])
+
+
+@loading_api.include(path_regex=OTHERS).parametrize()
+@settings(fuzz, max_examples=3)
+def test_other_apis_while_loading(case):
+    case.call_and_validate(excluded_checks=[*EXCLUDED, not_a_server_error])
+
+
+def test_wire_models_have_distinct_names():
+    """/openapi.json keeps one schema per name: two models of one name would be documented
+    (and fuzzed) as one of them."""
+    from thunderpool.api.routes import WIRE_MODELS
+    from thunderpool.api.schemas import ChatCompletion, ChatCompletionChunk
+
+    seen: dict[str, dict] = {}
+    for model in (ChatRequest, ChatCompletion, ChatCompletionChunk, *WIRE_MODELS):
+        schema = model.model_json_schema()
+        parts = {**schema.pop("$defs", {}), model.__name__: schema}
+        for name, part in parts.items():
+            assert seen.setdefault(name, part) == part, f"two wire models are named {name}"
 
 
 def test_the_document_names_bodies_answers_and_the_key():

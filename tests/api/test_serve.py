@@ -19,6 +19,8 @@ import httpx
 import pytest
 
 pytestmark = pytest.mark.reference
+MODEL = "SmolLM2-135M-Instruct-f32"
+ORIGIN = "http://localhost:3000"
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -54,6 +56,8 @@ def server():
         str(port),
         "--max-context",
         "1024",
+        "--cors-origin",
+        ORIGIN,
     ]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -178,3 +182,75 @@ def test_cluster_view_and_errors(server):
     assert r.status_code == 400 and "1024" in r.json()["error"]["message"]
     r = httpx.post(f"{server}/v1/chat/completions", json={**too_long, "model": "nope"}, timeout=30)
     assert r.status_code == 404
+
+
+def test_every_api_gives_the_same_greedy_text(server):
+    """OpenAI chat, Responses, Anthropic Messages and Ollama chat/generate put the same prompt
+    through the same template, so greedy decoding gives the same tokens, streamed or not."""
+    import anthropic
+    import ollama
+    import openai
+
+    q, n = QUESTIONS[0], 16
+    oa = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    ask = [{"role": "user", "content": q}]
+    ref = oa.chat.completions.create(model=MODEL, max_tokens=n, temperature=0, messages=ask)
+    text = ref.choices[0].message.content
+    k, k_in = ref.usage.completion_tokens, ref.usage.prompt_tokens
+    # It ends with its end token: each API's own word for that is checked below.
+    assert text == "The capital of France is Paris." and ref.choices[0].finish_reason == "stop"
+
+    r = oa.responses.create(model=MODEL, input=q, max_output_tokens=n, temperature=0)
+    assert r.output_text == text and r.status == "completed"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (ref.usage.prompt_tokens, k)
+    events = oa.responses.create(
+        model=MODEL, input=q, max_output_tokens=n, temperature=0, stream=True
+    )
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == text
+
+    # This SDK has no sampling arguments (its API dropped them); the server still takes them.
+    an = anthropic.Anthropic(base_url=server, api_key="unused")
+    greedy = {"extra_body": {"temperature": 0}}
+    m = an.messages.create(model=MODEL, max_tokens=n, messages=ask, **greedy)
+    assert m.content[0].text == text and m.stop_reason == "end_turn"
+    assert (m.usage.input_tokens, m.usage.output_tokens) == (ref.usage.prompt_tokens, k)
+    assert an.messages.count_tokens(model=MODEL, messages=ask).input_tokens == k_in
+    m = an.messages.create(model=MODEL, max_tokens=3, messages=ask, **greedy)
+    assert text.startswith(m.content[0].text) and m.stop_reason == "max_tokens"
+    with an.messages.stream(model=MODEL, max_tokens=n, messages=ask, **greedy) as s:
+        assert "".join(s.text_stream) == text
+    # A stop sequence cuts the same text and is named as the reason.
+    m = an.messages.create(
+        model=MODEL, max_tokens=n, messages=ask, stop_sequences=["Paris"], **greedy
+    )
+    assert m.content[0].text == text[: text.index("Paris")]
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", "Paris")
+
+    ol = ollama.Client(host=server)
+    greedy = {"temperature": 0, "num_predict": n}  # Ollama's own default is 0.8
+    assert ol.chat(model=MODEL, messages=ask, options=greedy).message.content == text
+    parts = ol.chat(model=MODEL, messages=ask, options=greedy, stream=True)
+    assert "".join(p.message.content for p in parts) == text
+    g = ol.generate(model=MODEL, prompt=q, options=greedy)
+    assert g.response == text and g.done_reason == "stop" and g.eval_count == k
+    parts = ol.generate(model=MODEL, prompt=q, options=greedy, stream=True)
+    assert "".join(p.response for p in parts) == text
+
+
+def test_tools_are_refused_for_a_template_without_them_and_cors(server):
+    import openai
+
+    oa = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="family 'llama'"):
+        oa.chat.completions.create(
+            model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}], tools=[tool]
+        )
+    ask = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}
+    r = httpx.options(f"{server}/v1/chat/completions", headers=ask, timeout=10)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    r = httpx.options(
+        f"{server}/v1/chat/completions", headers={**ask, "Origin": "http://other.test"}, timeout=10
+    )
+    assert "access-control-allow-origin" not in r.headers

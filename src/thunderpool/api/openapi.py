@@ -92,12 +92,25 @@ def events(chunk: type[BaseModel]) -> dict[str, Any]:
     return {"text/event-stream": {"itemSchema": event}}
 
 
+def named_events() -> dict[str, Any]:
+    """A stream of named SSE events (`event: <type>` then `data: <JSON object>`)."""
+    data = {"type": "string", "contentMediaType": "application/json"}
+    event = {"type": "object", "required": ["data"], "properties": {"data": data}}
+    return {"text/event-stream": {"itemSchema": event}}
+
+
+def ndjson() -> dict[str, Any]:
+    """A stream of JSON objects, one a line (Ollama's streaming)."""
+    return {"application/x-ndjson": {"schema": {"type": "string"}}}
+
+
 def route(
     ok: dict[str, Any],
     errors: tuple[int, ...] = (),
     body: type[BaseModel] | None = None,
     example: dict[str, Any] | None = None,
     guarded: bool = False,
+    error: str = "ErrorBody",
 ) -> dict[str, Any]:
     """Keyword arguments for `app.get`/`app.post`: the body it reads and what it answers.
 
@@ -107,8 +120,8 @@ def route(
     responses: dict[int | str, Any] = {200: {"description": "OK", **ok}}
     for status in sorted(errors + ((401,) if guarded else ())):
         # Spelled out, not {"model": ErrorBody}: FastAPI would give it the route's media type.
-        error = {"application/json": {"schema": {"$ref": REF.format(model="ErrorBody")}}}
-        responses[status] = {"description": ERRORS[status], "content": error}
+        shape = {"application/json": {"schema": {"$ref": REF.format(model=error)}}}
+        responses[status] = {"description": ERRORS[status], "content": shape}
         if status == 503:
             responses[status]["headers"] = RETRY_AFTER
     extra: dict[str, Any] = {}
@@ -131,7 +144,7 @@ COMPLETION = {"model": Completion, "content": events(Completion)}
 HOISTED = (ChatRequest, CompletionRequest, ChatCompletionChunk, Health, ErrorBody)
 
 
-def install(app: FastAPI, keyed: bool) -> None:
+def install(app: FastAPI, keyed: bool, extra: tuple[type[BaseModel], ...] = ()) -> None:
     """Complete `app`'s document: the schemas FastAPI does not see (request bodies, stream
     chunks), the bearer scheme when a key is set, and no 422s (bad input is a 400 here)."""
 
@@ -139,7 +152,7 @@ def install(app: FastAPI, keyed: bool) -> None:
         if app.openapi_schema is None:
             doc = FastAPI.openapi(app)  # caches itself in app.openapi_schema
             schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-            for model in HOISTED:
+            for model in HOISTED + extra:
                 schema = model.model_json_schema(ref_template=REF)
                 for name, part in schema.pop("$defs", {}).items():
                     schemas.setdefault(name, part)  # FastAPI's own (e.g. Usage) stay

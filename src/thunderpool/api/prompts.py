@@ -37,8 +37,6 @@ def check_supported(req: ChatRequest | CompletionRequest) -> None:
     if isinstance(req, ChatRequest):
         if req.logprobs:
             raise bad_request("logprobs are not supported", param="logprobs")
-        if req.tools:
-            raise bad_request("tools are not supported", param="tools")
         if not req.messages:
             raise bad_request("'messages' must contain at least one message", param="messages")
     else:

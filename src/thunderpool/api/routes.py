@@ -14,18 +14,20 @@ import math
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import TypeVar
 
 from anyio import to_thread
 from fastapi import Depends, FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 
-from thunderpool.api import openapi, prompts
+from thunderpool.api import anthropic, ollama, openai_chat, openapi, prompts, responses
 from thunderpool.api.body import API_LIMIT, BodyError, read_body
+from thunderpool.api.conversation import Conversation, admit, collect_turn
 from thunderpool.api.errors import RETRY_AFTER_S, APIError, from_validation, install_error_handlers
 from thunderpool.api.errors import not_ready as not_ready_error
 from thunderpool.api.generation import (
@@ -43,11 +45,23 @@ from thunderpool.api.metrics import CONTENT_TYPE, HTTPCounter, render
 from thunderpool.api.observe import AccessLog, Latencies, RecordingEngine
 from thunderpool.api.schemas import ChatRequest, CompletionRequest, ModelCard, ModelList
 from thunderpool.api.sse import EventStream, until_disconnect
+from thunderpool.api.tools import SERVED_CHOICES
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.service import EngineClient
 
 R = TypeVar("R", bound=BaseModel)
 log = logging.getLogger("thunderpool.api")
+# The other APIs' bodies and errors, for /openapi.json.
+WIRE_MODELS = (
+    anthropic.MessagesRequest,
+    anthropic.CountTokensRequest,
+    anthropic.AnthropicError,
+    ollama.OllamaChatRequest,
+    ollama.OllamaGenerateRequest,
+    ollama.ShowRequest,
+    ollama.OllamaError,
+    responses.ResponsesRequest,
+)
 
 # nginx's "client closed request": counted in /metrics, never seen by the client.
 CLIENT_CLOSED = 499
@@ -60,7 +74,9 @@ def api_key_guard(api_key: str | None) -> Callable[[Request], None]:
         if api_key is None:
             return
         given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
+        # Anthropic's clients send the key as `x-api-key`.
+        other = f"Bearer {request.headers.get('x-api-key', '')}".encode()
+        if not (hmac.compare_digest(given, expected) or hmac.compare_digest(other, expected)):
             raise APIError(
                 401,
                 "missing or incorrect API key; send 'Authorization: Bearer <key>'",
@@ -82,10 +98,15 @@ async def _parse(request: Request, model: type[R]) -> R:
 
 
 def create_app(
-    engine: EngineClient, api_key: str | None = None, *, log_prompts: bool = False
+    engine: EngineClient,
+    api_key: str | None = None,
+    *,
+    log_prompts: bool = False,
+    cors_origins: Sequence[str] = (),
 ) -> FastAPI:
-    """The API app. `api_key` guards /v1/* and /metrics; /health (and `/`) stay open.
-    `log_prompts` adds each prompt's text to its access-log line."""
+    """The API app. `api_key` guards /v1/*, /api/* and /metrics; /health (and `/`) stay open.
+    `log_prompts` adds each prompt's text to its access-log line; `cors_origins`: browser
+    origins allowed to call it (none by default)."""
     latencies = Latencies()
     engine = RecordingEngine(engine, latencies, log_prompts)  # type: ignore[assignment]
     history = History(engine.metrics, latencies)
@@ -100,7 +121,8 @@ def create_app(
 
     app = FastAPI(title="thunderpool", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.history = history
-    guarded = [Depends(api_key_guard(api_key))]
+    require_key = api_key_guard(api_key)
+    guarded = [Depends(require_key)]
     doc = partial(openapi.route, guarded=api_key is not None)
     generating = (400, 404, 503)  # what a completion answers besides 200 (and 401)
     hello = {"model": engine.info.model, "max_tokens": 16}  # the documented examples' start
@@ -153,13 +175,26 @@ def create_app(
         req = await _parse(request, ChatRequest)
         prompts.check_model(req.model, engine.info.model)
         prompts.check_supported(req)
-        messages = prompts.chat_messages(req.messages)
+        conv = openai_chat.to_conversation(req)
+        if (conv.tools and conv.tool_choice != "none") or conv.tool_choice not in SERVED_CHOICES:
+            return await chat_with_tools(request, conv, req)
         ready()
+        messages = list(conv.messages)
         ids = await to_thread.run_sync(prompts.chat_prompt, engine.tokenizer, messages)
-        limit = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        limit = conv.sampling.max_tokens
         params = prompts.sampling_params(req, limit, len(ids), engine.info.max_context, "messages")
         job = new_job("chatcmpl", req, ids, params)
         return await answer(request, job, ChatFrames(job) if req.stream else None, chat_body)
+
+    async def chat_with_tools(request: Request, conv: Conversation, req: ChatRequest) -> Response:
+        admitted = await admit(engine, conv, "chatcmpl-")
+        if conv.stream:
+            include = bool(req.stream_options and req.stream_options.include_usage)
+            return EventStream(openai_chat.chunks(engine, admitted, include))
+        t = await until_disconnect(request.receive, lambda: collect_turn(engine, admitted))
+        if t is None:
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(openai_chat.body(admitted, t).model_dump(mode="json"))
 
     @app.post(
         "/v1/completions",
@@ -222,10 +257,22 @@ def create_app(
             history.sample()  # no sampler runs without a lifespan (tests), or it lags
         return JSONResponse({"every_s": EVERY_S, "points": history.since(t)})
 
-    openapi.install(app, api_key is not None)
+    anthropic.mount(app, engine, require_key, api_key is not None)
+    ollama.mount(app, engine, require_key, api_key is not None)
+    responses.mount(app, engine, guarded, api_key is not None)
+    openapi.install(app, api_key is not None, WIRE_MODELS)
     install_error_handlers(app)
     # "/" is the dashboard's, mounted by the caller after this returns.
     known = frozenset(r.path for r in app.routes if "{" not in getattr(r, "path", "{")) | {"/"}
     app.add_middleware(HTTPCounter, known=known, counts=http_counts)
     app.add_middleware(AccessLog)
+    if cors_origins:
+        # Outermost, so a preflight is answered before the key or the route is looked at.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["Retry-After"],
+        )
     return app

@@ -30,10 +30,24 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class ToolFunction(_Request):
+    name: str
+    arguments: str  # a JSON object as text
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
 class Message(_Request):
-    # "developer" is OpenAI's newer name for "system"; tools and functions are not served.
-    role: Literal["system", "developer", "user", "assistant"]
+    # "developer" is OpenAI's newer name for "system".
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
+    name: str | None = None
 
 
 class SamplingFields(_Request):
@@ -54,6 +68,8 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -69,9 +85,33 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class CalledTool(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class CalledToolDelta(CalledTool):
+    index: int
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[CalledTool] | None = None
+
+    # `tool_calls` only when the model called a tool, as OpenAI answers.
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -94,6 +134,7 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[CalledToolDelta] | None = None
 
     # OpenAI sends only the keys a delta carries: `{"content": "Hi"}`, and `{}` at the end.
     @model_serializer(mode="wrap")

@@ -66,7 +66,9 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
     max_context = min(args.max_context or limit, limit)
     # A model described by a member (remote_model.py): named as the user named it.
     name = Path(args.model).name if (model_dir / REMOTE).is_file() else model_dir.name
-    info = EngineInfo(name, max_context, int(time.time()), {"model": name})
+    # model_type names the family where tools are refused, and in Ollama's /api/show.
+    cluster = {"model": name, "model_type": str(config.get("model_type", ""))}
+    info = EngineInfo(name, max_context, int(time.time()), cluster)
     if args.cluster:
         plan, token, members = _cluster(args, name, max_context, console)
     else:
@@ -190,7 +192,9 @@ def _start_api(args, gateway, supervisor, api_key: str | None) -> str:
     from thunderpool.serving.admin import mount_admin
 
     _log_requests()
-    app = create_app(gateway, api_key=api_key, log_prompts=args.log_prompts)
+    app = create_app(
+        gateway, api_key=api_key, log_prompts=args.log_prompts, cors_origins=args.cors_origin
+    )
     mount_admin(app, supervisor, api_key)
     mount_dashboard(app)
     server = uvicorn.Server(

@@ -1,0 +1,409 @@
+"""Ollama's API (`/api/chat`, `/api/generate`, `/api/tags`, `/api/show`, `/api/version`) over
+the shared Conversation, streamed as NDJSON (Ollama's default) or collected.
+
+Sampling defaults are Ollama's (temperature 0.8, top_k 40, top_p 0.9); `options` it does not
+honour (mirostat, num_gpu, ...) are 400s naming them. Errors are `{"error": "..."}`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from thunderpool import __version__
+from thunderpool.api import openapi
+from thunderpool.api.conversation import Admitted, Conversation, Finish, admit, collect_turn, turn
+from thunderpool.api.errors import APIError, bad_request
+from thunderpool.api.schemas import SamplingFields
+from thunderpool.api.sse import EventStream, until_disconnect
+from thunderpool.api.tools import Call, Text, function_tool
+from thunderpool.api.wire import Strict, parse
+from thunderpool.engine.service import EngineClient
+
+CLIENT_CLOSED = 499
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's own
+OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "seed", "stop", "num_ctx"}
+
+
+class OllamaFunction(Strict):
+    name: str
+    arguments: dict[str, Any]
+    index: int | None = None
+
+
+class OllamaToolCall(Strict):
+    function: OllamaFunction
+
+
+class OllamaMessage(Strict):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+    tool_calls: list[OllamaToolCall] | None = None
+    tool_name: str | None = None
+    images: list[Any] | None = None
+    thinking: str | None = None
+
+
+class _Generating(Strict):
+    model: str
+    stream: bool | None = None
+    options: dict[str, Any] | None = None
+    format: Any = None
+    keep_alive: float | int | str | None = None  # the served model stays loaded regardless
+    think: bool | str | None = None
+
+
+class OllamaChatRequest(_Generating):
+    messages: list[OllamaMessage] | None = None
+    tools: list[Any] | None = None
+
+
+class OllamaGenerateRequest(_Generating):
+    prompt: str | None = None
+    system: str | None = None
+    raw: bool | None = None
+    suffix: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    images: list[Any] | None = None
+
+
+class ShowRequest(Strict):
+    model: str
+    verbose: bool | None = None
+
+
+class OllamaError(BaseModel):
+    error: str
+
+
+class OllamaMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class OllamaChatResponse(BaseModel):
+    model: str
+    created_at: str
+    message: OllamaMessageOut
+    done: bool
+    done_reason: str | None = None
+
+
+class OllamaGenerateResponse(BaseModel):
+    model: str
+    created_at: str
+    response: str
+    done: bool
+    done_reason: str | None = None
+
+
+def error_response(e: APIError) -> JSONResponse:
+    body = OllamaError(error=e.message).model_dump(mode="json")
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+
+def check_model(requested: str, served: str) -> None:
+    """Ollama names carry a tag; `served` and `served:latest` are the one model."""
+    if requested not in (served, f"{served}:latest"):
+        raise APIError(
+            404, f"model '{requested}' not found; this server serves '{served}'", param="model"
+        )
+
+
+def _refuse(req: _Generating, **unsupported: Any) -> None:
+    for name, value in {"format": req.format, "think": req.think, **unsupported}.items():
+        if value:
+            raise bad_request(f"'{name}' is not supported by this server; remove it", name)
+
+
+def _sampling(req: _Generating) -> tuple[SamplingFields, int | None]:
+    options = dict(req.options or {})
+    if unknown := sorted(set(options) - OPTIONS):
+        raise bad_request(
+            f"'options.{unknown[0]}' is not supported; supported options: {sorted(OPTIONS)}",
+            f"options.{unknown[0]}",
+        )
+    try:
+        predict = options.get("num_predict")
+        fields = SamplingFields(
+            model=req.model,
+            max_tokens=predict if predict is not None and predict > 0 else None,
+            temperature=float(options.get("temperature", DEFAULTS["temperature"])),
+            top_p=float(options.get("top_p", DEFAULTS["top_p"])),
+            top_k=options.get("top_k", DEFAULTS["top_k"]),
+            seed=options.get("seed"),
+            stop=options.get("stop"),
+        )
+    except (ValueError, TypeError) as e:
+        raise bad_request(f"invalid 'options': {e}", param="options") from e
+    ctx = options.get("num_ctx")
+    if ctx is not None and (not isinstance(ctx, int) or ctx < 1):
+        raise bad_request(f"options.num_ctx={ctx!r} must be a positive integer", "options.num_ctx")
+    return fields, ctx
+
+
+def _tools(raw: list[Any] | None) -> tuple[dict[str, Any], ...]:
+    out = []
+    for i, t in enumerate(raw or []):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(f, dict) or t.get("type", "function") != "function":
+            raise bad_request(f"tools.{i}: only function tools are supported", f"tools.{i}")
+        out.append(
+            function_tool(f.get("name"), f.get("description"), f.get("parameters"), f"tools.{i}")
+        )
+    return tuple(out)
+
+
+def chat_conversation(req: OllamaChatRequest) -> Conversation:
+    _refuse(req)
+    messages = []
+    for i, m in enumerate(req.messages or []):
+        if m.images:
+            raise bad_request(
+                f"'messages.{i}.images': images are not supported", f"messages.{i}.images"
+            )
+        msg: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = [
+                {
+                    "id": f"call_{i}_{j}",
+                    "type": "function",
+                    "function": c.function.model_dump(exclude={"index"}),
+                }
+                for j, c in enumerate(m.tool_calls)
+            ]
+        if m.tool_name is not None:
+            msg["name"] = m.tool_name
+        messages.append(msg)
+    fields, ctx = _sampling(req)
+    return Conversation(
+        tuple(messages), fields, _tools(req.tools), stream=req.stream is not False, context=ctx
+    )
+
+
+def generate_conversation(req: OllamaGenerateRequest) -> Conversation:
+    _refuse(req, suffix=req.suffix, template=req.template, context=req.context, images=req.images)
+    fields, ctx = _sampling(req)
+    stream = req.stream is not False
+    if req.raw:
+        return Conversation(
+            (), fields, raw=req.prompt or "", stream=stream, context=ctx, prompt_field="prompt"
+        )
+    messages = [{"role": "system", "content": req.system}] if req.system else []
+    messages.append({"role": "user", "content": req.prompt or ""})
+    return Conversation(tuple(messages), fields, stream=stream, context=ctx, prompt_field="prompt")
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _calls(calls: list[Call] | tuple[Call, ...]) -> list[dict[str, Any]]:
+    return [{"function": {"name": c.name, "arguments": c.input}} for c in calls]
+
+
+class Clock:
+    """Ollama's nanosecond timings: total, prompt evaluation (to the first event), generation."""
+
+    def __init__(self):
+        self.start = time.monotonic_ns()
+        self.first: int | None = None
+
+    def tick(self) -> None:
+        self.first = self.first or time.monotonic_ns()
+
+    def stats(self, f: Finish) -> dict[str, Any]:
+        now = time.monotonic_ns()
+        first = self.first or now
+        return {
+            "done_reason": "length" if f.reason == "length" else "stop",
+            "total_duration": now - self.start,
+            "load_duration": 0,
+            "prompt_eval_count": f.prompt_tokens,
+            "prompt_eval_duration": first - self.start,
+            "eval_count": f.completion_tokens,
+            "eval_duration": now - first,
+        }
+
+
+class NDJSONStream(EventStream):
+    media_type = "application/x-ndjson"
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj) + "\n").encode()
+
+
+async def lines(engine: EngineClient, a: Admitted, chat: bool) -> AsyncGenerator[bytes, None]:
+    clock, head = Clock(), {"model": a.job.model}
+
+    def piece(text: str, calls: list[Call] | None = None) -> dict[str, Any]:
+        if not chat:
+            return {**head, "created_at": _now(), "response": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = _calls(calls)
+        return {**head, "created_at": _now(), "message": message}
+
+    try:
+        async for ev in turn(engine, a):
+            clock.tick()
+            match ev:
+                case Text() if ev.text:
+                    yield _line({**piece(ev.text), "done": False})
+                case Call():
+                    yield _line({**piece("", [ev]), "done": False})
+                case Finish():
+                    yield _line({**piece(""), "done": True, **clock.stats(ev)})
+    except APIError as e:
+        yield _line({"error": e.message})
+
+
+def mount(
+    app: FastAPI, engine: EngineClient, require_key: Callable[[Request], None], keyed: bool
+) -> None:
+    served = engine.info.model
+
+    def ollama_errors(handler: Callable[[Request], Awaitable[Response]]):
+        async def wrapped(request: Request) -> Response:
+            try:
+                require_key(request)
+                return await handler(request)
+            except APIError as e:
+                return error_response(e)
+
+        return wrapped
+
+    def doc(
+        ok: dict[str, Any],
+        body: type[BaseModel] | None = None,
+        example: Any = None,
+        errors=(400, 404, 503),
+    ):
+        return openapi.route(ok, errors, body, example, guarded=keyed, error="OllamaError")
+
+    async def answer(request: Request, conv: Conversation, chat: bool) -> Response:
+        admitted = await admit(engine, conv, "ollama-")
+        if conv.stream:
+            return NDJSONStream(lines(engine, admitted, chat))
+        clock = Clock()
+        t = await until_disconnect(request.receive, lambda: collect_turn(engine, admitted))
+        if t is None:
+            return Response(status_code=CLIENT_CLOSED)
+        clock.tick()
+        body: dict[str, Any] = {"model": served, "created_at": _now()}
+        if chat:
+            message: dict[str, Any] = {"role": "assistant", "content": t.text}
+            if t.calls:
+                message["tool_calls"] = _calls(t.calls)
+            body["message"] = message
+        else:
+            body["response"] = t.text
+        return JSONResponse({**body, "done": True, **clock.stats(t.finish)})
+
+    chat_example = {
+        "model": served,
+        "stream": False,
+        "messages": [{"role": "user", "content": "Hello"}],
+    }
+    chat_example["options"] = {"num_predict": 16}
+
+    @app.post(
+        "/api/chat",
+        **doc(
+            {"model": OllamaChatResponse, "content": openapi.ndjson()},
+            OllamaChatRequest,
+            chat_example,
+        ),
+    )
+    @ollama_errors
+    async def chat(request: Request) -> Response:
+        req = await parse(request, OllamaChatRequest)
+        check_model(req.model, served)
+        return await answer(request, chat_conversation(req), chat=True)
+
+    gen_example = {
+        "model": served,
+        "prompt": "Hello",
+        "stream": False,
+        "options": {"num_predict": 16},
+    }
+
+    @app.post(
+        "/api/generate",
+        **doc(
+            {"model": OllamaGenerateResponse, "content": openapi.ndjson()},
+            OllamaGenerateRequest,
+            gen_example,
+        ),
+    )
+    @ollama_errors
+    async def generate(request: Request) -> Response:
+        req = await parse(request, OllamaGenerateRequest)
+        check_model(req.model, served)
+        if not req.prompt and not req.raw:  # Ollama's way to preload a model: it is loaded
+            body = {"model": served, "created_at": _now(), "response": ""}
+            return JSONResponse({**body, "done": True, "done_reason": "load"})
+        return await answer(request, generate_conversation(req), chat=False)
+
+    def details() -> dict[str, Any]:
+        family = str(engine.info.cluster.get("model_type") or "")
+        return {"format": "safetensors", "family": family, "families": [family] if family else None}
+
+    @app.get(
+        "/api/tags",
+        **doc({"content": {"application/json": {"schema": {"type": "object"}}}}, errors=()),
+    )
+    @ollama_errors
+    async def tags(request: Request) -> Response:
+        when = datetime.fromtimestamp(engine.info.created, UTC).isoformat()
+        model = {"name": served, "model": served, "modified_at": when, "size": 0, "digest": ""}
+        return JSONResponse({"models": [{**model, "details": details()}]})
+
+    @app.post(
+        "/api/show",
+        **doc(
+            {"content": {"application/json": {"schema": {"type": "object"}}}},
+            ShowRequest,
+            {"model": served},
+            (400, 404),
+        ),
+    )
+    @ollama_errors
+    async def show(request: Request) -> Response:
+        req = await parse(request, ShowRequest)
+        check_model(req.model, served)
+        tok = engine.tokenizer
+        capabilities = ["completion"] + (
+            ["tools"] if getattr(tok, "has_tool_calling", False) else []
+        )
+        info = {
+            "general.architecture": details()["family"],
+            "context_length": engine.info.max_context,
+        }
+        return JSONResponse(
+            {
+                "modelfile": "",
+                "parameters": "",
+                "template": str(getattr(tok, "chat_template", "") or ""),
+                "details": details(),
+                "model_info": info,
+                "capabilities": capabilities,
+            }
+        )
+
+    @app.get(
+        "/api/version",
+        **openapi.route({"content": {"application/json": {"schema": {"type": "object"}}}}),
+    )
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})

@@ -1,0 +1,37 @@
+"""What every API module shares at the wire: reading a body into its pydantic model (bad JSON
+and wrong types are 400s naming the field), and strict request models that refuse unknown
+fields, so that no parameter of another API's is ever silently ignored."""
+
+from __future__ import annotations
+
+import logging
+from typing import TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.requests import Request
+
+from thunderpool.api.body import API_LIMIT, BodyError, read_body
+from thunderpool.api.errors import APIError, from_validation
+
+R = TypeVar("R", bound=BaseModel)
+log = logging.getLogger("thunderpool.api")
+
+
+class Strict(BaseModel):
+    """A request part that refuses fields it does not know: a 400 names the field."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+async def parse(request: Request, model: type[R]) -> R:
+    try:
+        body = await read_body(request, API_LIMIT, log)
+    except BodyError as e:
+        raise APIError(e.status, e.message) from None
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        err = from_validation(e)
+        if "Extra inputs are not permitted" in err.message:
+            err.message = f"'{err.param}' is not supported by this server; remove it"
+        raise err from e
