@@ -31,7 +31,8 @@ def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     group = mx.distributed.init(backend="ring", strict=True)
     split = tuple(spec["layer_split"]) if spec.get("layer_split") else None
-    layout = Layout(spec["parallel"], layer_split=split)
+    experts = tuple(spec["expert_split"]) if spec.get("expert_split") else None
+    layout = Layout(spec["parallel"], layer_split=split, expert_split=experts)
     runner, _, _ = load_shard(Path(spec["model"]), group, layout)
     control = Control(group)
     if group.rank() != 0:

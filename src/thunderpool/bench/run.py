@@ -45,7 +45,7 @@ def bench_parallel(
         parallel=parallel,
         task=task,
         backend="mpi" if backend == "mpi" and nodes > 1 else "ring",
-        tp_weights=tp_weights if parallel == "tp" and nodes > 1 else None,
+        tp_weights=tp_weights if parallel in ("tp", "ep") and nodes > 1 else None,
     )
     from thunderpool.cluster.mpi import local_instance
 
