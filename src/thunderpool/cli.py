@@ -217,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--synthetic",
         metavar="SHAPE",
         help="instead of --model, a random-weight float32 llama of this shape, written to the "
-        "cache once: 1b (TinyLlama-1.1B's shape, 4.4 GB)",
+        "cache once: 1b (TinyLlama-1.1B's shape, 4.4 GB) or moe (a Qwen3-MoE of 16 experts, "
+        "4 routed, 0.96 GB)",
     )
     bench.add_argument(
         "--nodes",

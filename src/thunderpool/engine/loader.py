@@ -198,9 +198,10 @@ def load_shard(
     elif group.size() > 1 and layout.parallel == "ep":
         weights = list(layout.tp_weights or []) or None
         counts = list(layout.expert_split or []) or None
-        share = experts.shard(model, group, weights, counts)
+        stored = StoredRows.of(model_dir)
+        share = experts.shard(model, group, weights, counts, read=stored.rows)
         method = "ep"
-        vocab.split_vocab(model, group, weights, StoredRows.of(model_dir).rows)
+        vocab.split_vocab(model, group, weights, stored.rows)
     elif group.size() > 1:
         weights = list(layout.tp_weights or []) or None
         method = tensor.shard(model, group, weights)

@@ -19,6 +19,7 @@ import numpy as np
 from thunderpool.errors import ShardingError
 from thunderpool.parallel import tensor
 from thunderpool.parallel.tensor import SumAfter, _mlp_of, proportional_split
+from thunderpool.parallel.vocab import RowReader
 
 # Where MoE blocks keep their stacked experts: qwen/deepseek/glm/mixtral, gpt-oss.
 EXPERT_NAMES = ("switch_mlp", "experts")
@@ -129,26 +130,35 @@ def _projs(experts: nn.Module) -> dict[str, nn.Module]:
     }
 
 
-def originals(model: nn.Module) -> dict[int, dict[str, dict[str, mx.array]]]:
-    """Each MoE layer's expert tensors before TP slices them (lazy: nothing is read)."""
+Saved = dict[int, dict[str, dict[str, tuple[str, mx.array]]]]
+
+
+def originals(model: nn.Module) -> Saved:
+    """Each MoE layer's expert tensors before TP slices them, with their parameter names
+    (lazy: nothing is read)."""
+    names = {id(m): n for n, m in model.named_modules()}
     saved = {}
     for i, layer in enumerate(model.layers):
         if (found := moe_experts(layer)) is not None:
             experts = found[0][found[1]]
             saved[i] = {
-                name: {t: p[t] for t in _TENSORS if t in p} for name, p in _projs(experts).items()
+                name: {t: (f"{names.get(id(p), '')}.{t}", p[t]) for t in _TENSORS if t in p}
+                for name, p in _projs(experts).items()
             }
     return saved
 
 
+def _slice(_name: str, lazy: mx.array, a: int, b: int) -> mx.array:
+    return mx.contiguous(lazy[a:b])
+
+
 def shard_experts(
-    model: nn.Module,
-    share: ExpertShare,
-    saved: dict[int, dict[str, dict[str, mx.array]]],
-    skip: bool = True,
+    model: nn.Module, share: ExpertShare, saved: Saved, skip: bool = True, read: RowReader = _slice
 ) -> None:
     """Give every MoE layer the rows [e0, e1) of its saved (unsliced) expert tensors, and wrap
-    its experts so that routes to other ranks' experts give zeros."""
+    its experts so that routes to other ranks' experts give zeros. `read` may read the rows
+    straight from the file (stored_rows.StoredRows.rows, for checkpoints that store experts
+    stacked); slicing the lazy array reads a layer's experts whole, then drops the rest."""
     for i, layer in enumerate(model.layers):
         found = moe_experts(layer)
         if found is None:
@@ -157,8 +167,8 @@ def shard_experts(
         experts = block[name]
         for proj_name, tensors in saved[i].items():
             proj = experts[proj_name]
-            for t, full in tensors.items():
-                proj[t] = mx.contiguous(full[share.e0 : share.e1])
+            for t, (param, full) in tensors.items():
+                proj[t] = read(param, full, share.e0, share.e1)
         block[name] = LocalExperts(experts, share, skip)
 
 
@@ -178,6 +188,7 @@ def shard(
     weights: list[float] | None = None,
     counts: list[int] | None = None,
     skip: bool = True,
+    read: RowReader = _slice,
 ) -> ExpertShare:
     """Shard `model` in place for this rank: TP for attention, dense MLPs and shared experts,
     EP for routed experts. Returns this rank's experts."""
@@ -186,7 +197,7 @@ def shard(
     saved = originals(model)
     # TP also slices the experts' channels (lazily); those slices are dropped unread below.
     tensor.shard(model, group, weights)
-    shard_experts(model, share, saved, skip)
+    shard_experts(model, share, saved, skip, read)
     return share
 
 
