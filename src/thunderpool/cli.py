@@ -318,6 +318,12 @@ def _main(argv: list[str] | None) -> int:
     # SIGTERM unwinds like Ctrl-C, so that every rank this process started is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
+        if getattr(args, "parallel", None) == "ep" and getattr(args, "cluster", False):
+            raise ThunderpoolError(
+                "--parallel ep runs on local ranks only for now: the cluster's planner and "
+                "weight fabric do not place whole experts yet; drop --cluster, or use "
+                "--parallel tp with it"
+            )
         match args.command:
             case "generate":
                 from thunderpool.commands import generate

@@ -155,3 +155,13 @@ def test_verified_ep_is_what_these_tests_prove():
 
     assert {kind for kind, layouts in VERIFIED.items() if "ep" in layouts} == PROVEN
     assert PROVEN == {kind for kind, _, _ in CELLS}
+
+
+def test_describe_layout_shows_each_ranks_experts():
+    from thunderpool.engine.loader import describe_layout
+
+    config = FAMILIES["deepseek_v3"].config
+    got = describe_layout(config, Layout("ep", expert_split=(3, 1)), 2)
+    assert got["parallel"] == "ep"
+    assert [r["experts"] for r in got["ranks"]] == [[0, 3], [3, 4]]
+    assert [r["heads"]["q"] for r in got["ranks"]] == [[0, 2], [2, 4]]
