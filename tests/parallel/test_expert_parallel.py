@@ -35,9 +35,12 @@ CELLS = [
     ("qwen3_moe", 2, None),
     ("qwen3_moe", 3, None),  # 4 experts: 2 + 1 + 1; 4 heads: uneven TP attention
     ("deepseek_v3", 2, (3, 1)),  # MLA attention in equal shares, experts 3 + 1
+    ("glm4_moe", 2, (1, 3)),  # shared experts, attention biases
+    ("gpt_oss", 2, None),  # experts named `experts`, with biases; attention sinks
+    ("mixtral", 2, None),  # a block that cannot sum itself: TP's SumAfter sums it
 ]
 # Families whose EP cells all pass here: models/families.py's VERIFIED lists "ep" for them.
-PROVEN = {"qwen3_moe", "deepseek_v3"}
+PROVEN = {"qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "mixtral"}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +56,9 @@ def references(dirs):
 
 def _n_experts(kind: str) -> int:
     config = FAMILIES[kind].config
-    return config.get("num_experts") or config["n_routed_experts"]
+    return (
+        config.get("num_experts") or config.get("n_routed_experts") or config["num_local_experts"]
+    )
 
 
 @pytest.mark.slow

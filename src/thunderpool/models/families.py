@@ -26,9 +26,9 @@ VERIFIED: dict[str, tuple[str, ...]] = {
     "deepseek_v3": ("tp", "pp", "ep"),
     "deepseek_v32": ("tp", "pp"),  # DeepSeek V3.2; TP in equal shares only (MLA)
     "glm_moe_dsa": ("tp", "pp"),  # GLM-5; TP in equal shares only (MLA)
-    "glm4_moe": ("tp", "pp"),
-    "gpt_oss": ("tp", "pp"),  # TP in equal shares only (attention sinks)
-    "mixtral": ("tp", "pp"),
+    "glm4_moe": ("tp", "pp", "ep"),
+    "gpt_oss": ("tp", "pp", "ep"),  # TP (and EP's attention) in equal shares only (sinks)
+    "mixtral": ("tp", "pp", "ep"),
     "phi3": ("pp",),  # fused qkv/gate_up projections: TP refused
     "qwen3_next": ("pp",),  # linear-attention layers: TP refused
 }

@@ -162,6 +162,8 @@ def shard_experts(
     for i, layer in enumerate(model.layers):
         found = moe_experts(layer)
         if found is None:
+            if i in saved:  # TP replaced the block with something this module cannot see into
+                raise ShardingError(f"layer {i}'s MoE block lost its experts while sharding")
             continue
         block, name = found
         experts = block[name]
