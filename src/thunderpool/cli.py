@@ -318,6 +318,11 @@ def _main(argv: list[str] | None) -> int:
     # SIGTERM unwinds like Ctrl-C, so that every rank this process started is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
+        if getattr(args, "expert_split", None) and getattr(args, "parallel", None) != "ep":
+            raise ThunderpoolError(
+                "--expert-split places experts for --parallel ep only; add --parallel ep or "
+                "drop --expert-split"
+            )
         if getattr(args, "parallel", None) == "ep" and getattr(args, "cluster", False):
             raise ThunderpoolError(
                 "--parallel ep runs on local ranks only for now: the cluster's planner and "

@@ -190,7 +190,7 @@ def load_shard(
     model, config = build_lazy(model_dir)
     unloaded = unloaded_modules(model, model_dir)
     n_layers = len(model.layers)
-    bounds, stage, method = (0, n_layers), None, "single"
+    bounds, stage, method, share = (0, n_layers), None, "single", None
     if group.size() > 1 and layout.parallel == "pp":
         split = split_layers(n_layers, group.size(), list(layout.layer_split or []) or None)
         stage = PipelineStage(model, group, split)
@@ -230,7 +230,7 @@ def load_shard(
         seconds=time.perf_counter() - start,
         layers=bounds,
         method=method,
-        experts=(share.e0, share.e1) if method == "ep" else None,
+        experts=(share.e0, share.e1) if share is not None else None,
     )
     return Runner(model, group, stage), config, stats
 
