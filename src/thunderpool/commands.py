@@ -107,6 +107,14 @@ def serve(args: argparse.Namespace) -> int:
     return serve_main(args, Console(stderr=True))
 
 
+def _experts(loaded: dict) -> str:
+    """An EP rank's experts, first-last like the layers."""
+    if "experts" not in loaded:
+        return ""
+    a, b = loaded["experts"]
+    return f" experts {a}-{b - 1}"
+
+
 def _print_summary(console: Console, done: dict, loaded: dict, peaks: dict) -> None:
     console.print(
         f"TTFT {done['ttft_s'] * 1000:.0f} ms | prefill {done['prefill_tps']:.1f} tok/s "
@@ -129,7 +137,7 @@ def _print_summary(console: Console, done: dict, loaded: dict, peaks: dict) -> N
         table.add_row(
             str(rank),
             f"{a}-{b - 1}",
-            ld["method"] + (" experts {}-{}".format(*ld["experts"]) if "experts" in ld else ""),
+            ld["method"] + _experts(ld),
             _mib(ld["param_bytes"]),
             _mib(ld["peak_rss_bytes"]),
             _mib(pk.get("peak_rss_bytes", 0)),
