@@ -71,6 +71,8 @@ def bench_parallel(
     if bench is None:
         raise ThunderpoolError(f"the {parallel} instance of {nodes} ranks sent no bench result")
     pinned = instance.pin
+    if nodes > 1 and parallel == "ep":
+        bench["parallel"] = "ep"  # the rank sees TP's runner; keep EP's points apart from TP's
     return {**bench, "pinned": pinned, "backend": job.backend, "ranks": [ranks[r] for r in ranks]}
 
 
