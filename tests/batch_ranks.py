@@ -120,7 +120,8 @@ def main(spec_path: str, out_path: str) -> None:
     group = mx.distributed.init(backend="ring", strict=True)
     model = Path(spec["model"])
     split = tuple(spec["layer_split"]) if spec.get("layer_split") else None
-    layout = Layout(spec.get("parallel", "tp"), layer_split=split)
+    experts = tuple(spec["expert_split"]) if spec.get("expert_split") else None
+    layout = Layout(spec.get("parallel", "tp"), layer_split=split, expert_split=experts)
     runner, config, _ = load_shard(model, group, layout)
     control = Control(group)
     if group.rank() != 0:

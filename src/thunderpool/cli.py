@@ -32,8 +32,8 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def _modes(text: str) -> tuple[str, ...]:
     modes = tuple(m.strip() for m in text.split(","))
-    if not modes or any(m not in ("tp", "pp") for m in modes):
-        raise argparse.ArgumentTypeError(f"'{text}' must be tp, pp or tp,pp")
+    if not modes or any(m not in ("tp", "pp", "ep") for m in modes):
+        raise argparse.ArgumentTypeError(f"'{text}' must be a comma-separated subset of tp,pp,ep")
     return modes
 
 
@@ -60,8 +60,9 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--parallel",
-        choices=("tp", "pp"),
-        help="tensor parallel (faster) or pipeline parallel (fits bigger models); "
+        choices=("tp", "pp", "ep"),
+        help="tensor parallel (faster), pipeline parallel (fits bigger models) or, for MoE "
+        "models, expert parallel (whole experts per rank, attention as TP); "
         "default tp locally, the planner's choice with --cluster",
     )
     p.add_argument(
@@ -74,6 +75,11 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     add_cluster_args(p)
     p.add_argument("--layer-split", type=_ints, help="PP: per-rank layer weights, e.g. 20,10")
     p.add_argument("--tp-weights", type=_floats, help="TP: per-rank head shares, e.g. 2,1")
+    p.add_argument(
+        "--expert-split",
+        type=_ints,
+        help="EP: routed experts per rank, e.g. 96,160 (default: in proportion to --tp-weights)",
+    )
     _add_backend(p)
     p.add_argument(
         "--timeout",
@@ -224,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--synthetic",
         metavar="SHAPE",
         help="instead of --model, a random-weight float32 llama of this shape, written to the "
-        "cache once: 1b (TinyLlama-1.1B's shape, 4.4 GB)",
+        "cache once: 1b (TinyLlama-1.1B's shape, 4.4 GB) or moe (a Qwen3-MoE of 16 experts, "
+        "4 routed, 0.96 GB)",
     )
     bench.add_argument(
         "--nodes",
@@ -324,6 +331,17 @@ def _main(argv: list[str] | None) -> int:
     # SIGTERM unwinds like Ctrl-C, so that every rank this process started is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
+        if getattr(args, "expert_split", None) and getattr(args, "parallel", None) != "ep":
+            raise ThunderpoolError(
+                "--expert-split places experts for --parallel ep only; add --parallel ep or "
+                "drop --expert-split"
+            )
+        if getattr(args, "parallel", None) == "ep" and getattr(args, "cluster", False):
+            raise ThunderpoolError(
+                "--parallel ep runs on local ranks only for now: the cluster's planner and "
+                "weight fabric do not place whole experts yet; drop --cluster, or use "
+                "--parallel tp with it"
+            )
         match args.command:
             case "generate":
                 from thunderpool.commands import generate

@@ -32,13 +32,14 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
         return cluster_instance(args, make_job, timeout), args.model or "SmolLM2-135M-Instruct"
     parallel = args.parallel or "tp"
     model_dir = resolve_model(args.model)
-    config = preflight(model_dir, nodes, Layout(parallel, args.tp_weights, args.layer_split))
+    expert_split = getattr(args, "expert_split", None)
+    layout = Layout(parallel, args.tp_weights, args.layer_split, expert_split)
+    config = preflight(model_dir, nodes, layout)
     guard(config, nodes, parallel, args.allow_untested)
-    job = make_job(
-        nodes,
-        {"parallel": parallel, "tp_weights": args.tp_weights, "layer_split": args.layer_split},
-        str(model_dir),
-    )
+    fields = {"parallel": parallel, "tp_weights": args.tp_weights, "layer_split": args.layer_split}
+    if expert_split:
+        fields["expert_split"] = expert_split
+    job = make_job(nodes, fields, str(model_dir))
     job = job.model_copy(update={"backend": backend})
     return local_instance(job, timeout=timeout), model_dir.name
 
@@ -106,6 +107,14 @@ def serve(args: argparse.Namespace) -> int:
     return serve_main(args, Console(stderr=True))
 
 
+def _experts(loaded: dict) -> str:
+    """An EP rank's experts, first-last like the layers."""
+    if "experts" not in loaded:
+        return ""
+    a, b = loaded["experts"]
+    return f" experts {a}-{b - 1}"
+
+
 def _print_summary(console: Console, done: dict, loaded: dict, peaks: dict) -> None:
     console.print(
         f"TTFT {done['ttft_s'] * 1000:.0f} ms | prefill {done['prefill_tps']:.1f} tok/s "
@@ -128,7 +137,7 @@ def _print_summary(console: Console, done: dict, loaded: dict, peaks: dict) -> N
         table.add_row(
             str(rank),
             f"{a}-{b - 1}",
-            ld["method"],
+            ld["method"] + _experts(ld),
             _mib(ld["param_bytes"]),
             _mib(ld["peak_rss_bytes"]),
             _mib(pk.get("peak_rss_bytes", 0)),

@@ -209,4 +209,5 @@ def test_verified_table_is_what_the_matrix_proves():
         )
         for kind, family in FAMILIES.items()
     }
-    assert VERIFIED == proven
+    # Expert parallelism has its own cells (test_expert_parallel.py).
+    assert {k: tuple(p for p in v if p != "ep") for k, v in VERIFIED.items()} == proven

@@ -45,7 +45,7 @@ def bench_parallel(
         parallel=parallel,
         task=task,
         backend="mpi" if backend == "mpi" and nodes > 1 else "ring",
-        tp_weights=tp_weights if parallel == "tp" and nodes > 1 else None,
+        tp_weights=tp_weights if parallel in ("tp", "ep") and nodes > 1 else None,
     )
     from thunderpool.cluster.mpi import local_instance
 
@@ -71,6 +71,8 @@ def bench_parallel(
     if bench is None:
         raise ThunderpoolError(f"the {parallel} instance of {nodes} ranks sent no bench result")
     pinned = instance.pin
+    if nodes > 1 and parallel == "ep":
+        bench["parallel"] = "ep"  # the rank sees TP's runner; keep EP's points apart from TP's
     return {**bench, "pinned": pinned, "backend": job.backend, "ranks": [ranks[r] for r in ranks]}
 
 

@@ -34,11 +34,38 @@ PRESETS: dict[str, dict] = {
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
     },
+    # A MoE small enough for this machine, large enough to be memory-bound (0.96 GB):
+    # Qwen3-MoE's layout, 16 experts of which 4 are routed per token, stored stacked.
+    "moe": {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": 1024,
+        "intermediate_size": 2048,
+        "moe_intermediate_size": 512,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": 8,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "vocab_size": 8192,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    },
 }
 
 
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor names and shapes of a llama checkpoint with this config."""
+    """Hugging Face tensor names and shapes of a llama checkpoint with this config (a
+    qwen3_moe one: QK-norms and stacked experts, as mlx-lm stores them)."""
+    if config["model_type"] == "qwen3_moe":
+        return _moe_shapes(config)
     D, F, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or D // n_heads
@@ -59,6 +86,32 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (D,)
     if not config.get("tie_word_embeddings", True):
         shapes["lm_head.weight"] = (V, D)
+    return shapes
+
+
+def _moe_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    D, H, V = config["hidden_size"], config["moe_intermediate_size"], config["vocab_size"]
+    n_heads, n_kv, hd = config["num_attention_heads"], config["num_key_value_heads"], 64
+    E = config["num_experts"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (D,),
+            p + "self_attn.q_proj.weight": (n_heads * hd, D),
+            p + "self_attn.k_proj.weight": (n_kv * hd, D),
+            p + "self_attn.v_proj.weight": (n_kv * hd, D),
+            p + "self_attn.o_proj.weight": (D, n_heads * hd),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
+            p + "post_attention_layernorm.weight": (D,),
+            p + "mlp.gate.weight": (E, D),
+            p + "mlp.switch_mlp.gate_proj.weight": (E, H, D),
+            p + "mlp.switch_mlp.up_proj.weight": (E, H, D),
+            p + "mlp.switch_mlp.down_proj.weight": (E, D, H),
+        }
+    shapes["model.norm.weight"] = (D,)
+    shapes["lm_head.weight"] = (V, D)
     return shapes
 
 
@@ -119,10 +172,11 @@ def synthetic_model(name: str, cache_dir: Path | None = None, console=None) -> P
             f"--synthetic {name!r} is not a known shape; use one of {', '.join(PRESETS)}"
         )
     config = PRESETS[name]
-    out = (cache_dir or default_cache_dir()) / "models" / f"synthetic-llama-{name}-f32"
+    kind = "llama" if config["model_type"] == "llama" else config["model_type"]
+    out = (cache_dir or default_cache_dir()) / "models" / f"synthetic-{kind}-{name}-f32"
     if (out / "config.json").is_file():
         return out
     if console is not None:
         gb = parameter_count(config) * 4 / 1e9
-        console.print(f"[dim]writing a random {name} llama checkpoint ({gb:.1f} GB) to {out}[/]")
+        console.print(f"[dim]writing a random {name} {kind} checkpoint ({gb:.1f} GB) to {out}[/]")
     return write_synthetic(config, out)

@@ -61,8 +61,9 @@ class RankJob(_Frozen):
     model_dir: str
     world_size: int = Field(1, ge=1)
     backend: Literal["ring", "jaccl", "mpi"] = "ring"
-    parallel: Literal["tp", "pp"] = "tp"
+    parallel: Literal["tp", "pp", "ep"] = "tp"
     tp_weights: tuple[float, ...] | None = None
     layer_split: tuple[int, ...] | None = None
+    expert_split: tuple[int, ...] | None = None  # EP: routed experts per rank
     prefill_chunk: int = Field(512, ge=1)
     task: Task

@@ -23,7 +23,7 @@ from mlx_lm.utils import _get_classes, load_config, load_model
 
 from thunderpool.engine.runner import Runner
 from thunderpool.errors import ModelError
-from thunderpool.parallel import tensor, vocab
+from thunderpool.parallel import experts, tensor, vocab
 from thunderpool.parallel.pipeline import PipelineStage, split_layers
 from thunderpool.parallel.stored_rows import StoredRows
 
@@ -32,9 +32,10 @@ from thunderpool.parallel.stored_rows import StoredRows
 class Layout:
     """How one model is spread over the ranks of a group."""
 
-    parallel: str = "tp"  # "tp" or "pp"; ignored on one rank
+    parallel: str = "tp"  # "tp", "pp" or "ep" (TP with whole routed experts); one rank: none
     tp_weights: tuple[float, ...] | None = None
     layer_split: tuple[int, ...] | None = None
+    expert_split: tuple[int, ...] | None = None  # EP: routed experts per rank (default: weights)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +46,13 @@ class LoadStats:
     seconds: float
     layers: tuple[int, int]
     method: str
+    experts: tuple[int, int] | None = None  # EP: the routed experts [e0, e1) this rank holds
 
     def as_event(self) -> dict:
         """The fields of a rank's "loaded" event for the launcher."""
+        extra = {"experts": list(self.experts)} if self.experts is not None else {}
         return {
+            **extra,
             "rank": self.rank,
             "param_bytes": self.param_bytes,
             "peak_rss_bytes": self.peak_rss_bytes,
@@ -203,11 +207,18 @@ def load_shard(
     model, config = build_lazy(model_dir)
     unloaded = unloaded_modules(model, model_dir)
     n_layers = len(model.layers)
-    bounds, stage, method = (0, n_layers), None, "single"
+    bounds, stage, method, share = (0, n_layers), None, "single", None
     if group.size() > 1 and layout.parallel == "pp":
         split = split_layers(n_layers, group.size(), list(layout.layer_split or []) or None)
         stage = PipelineStage(model, group, split)
         bounds, method = split[group.rank()], "pp"
+    elif group.size() > 1 and layout.parallel == "ep":
+        weights = list(layout.tp_weights or []) or None
+        counts = list(layout.expert_split or []) or None
+        stored = StoredRows.of(model_dir)
+        share = experts.shard(model, group, weights, counts, read=stored.rows)
+        method = "ep"
+        vocab.split_vocab(model, group, weights, stored.rows)
     elif group.size() > 1:
         weights = list(layout.tp_weights or []) or None
         method = tensor.shard(model, group, weights)
@@ -236,6 +247,7 @@ def load_shard(
         seconds=time.perf_counter() - start,
         layers=bounds,
         method=method,
+        experts=(share.e0, share.e1) if share is not None else None,
     )
     return Runner(model, group, stage), config, stats
 
@@ -245,6 +257,9 @@ def preflight(model_dir: Path, world_size: int, layout: Layout) -> dict:
     model, config = build_lazy(model_dir)
     if world_size > 1 and layout.parallel == "pp":
         split_layers(len(model.layers), world_size, list(layout.layer_split or []) or None)
+    elif world_size > 1 and layout.parallel == "ep":
+        counts = list(layout.expert_split or []) or None
+        experts.check(model, world_size, list(layout.tp_weights or []) or None, counts)
     elif world_size > 1:
         tensor.check(model, world_size, list(layout.tp_weights or []) or None)
     return config
@@ -269,4 +284,18 @@ def describe_layout(config: dict, layout: Layout, world: int) -> dict:
         {"rank": r, "layers": [0, n_layers], "heads": {"q": [s.q0, s.q1], "kv": [s.kv0, s.kv1]}}
         for r, s in enumerate(shares)
     ]
+    if layout.parallel == "ep" and (n := _routed_experts(config)):
+        weights = list(layout.tp_weights or [1.0] * world)
+        counts = list(layout.expert_split or []) or None
+        for r, share in zip(ranks, experts.split_experts(n, weights, counts), strict=True):
+            r["experts"] = [share.e0, share.e1]
+        return {"parallel": "ep", "ranks": ranks}
     return {"parallel": "tp", "ranks": ranks}
+
+
+# config.json's routed-expert count, by family.
+_EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+
+
+def _routed_experts(config: dict) -> int:
+    return next((int(config[k]) for k in _EXPERT_KEYS if config.get(k)), 0)

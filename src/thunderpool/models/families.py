@@ -14,24 +14,27 @@ from functools import cache
 from thunderpool.errors import UnverifiedLayoutError
 
 # Every entry must be backed by tests/parallel matrix cases (sharded == unsharded model).
-# tests/parallel/test_family_matrix.py checks this table against its cells.
+# tests/parallel/test_family_matrix.py checks this table against its cells ("ep": against
+# tests/parallel/test_expert_parallel.py's).
 VERIFIED: dict[str, tuple[str, ...]] = {
     "llama": ("tp", "pp"),
     "qwen2": ("tp", "pp"),
     "qwen3": ("tp", "pp"),
-    "qwen3_moe": ("tp", "pp"),
+    "qwen3_moe": ("tp", "pp", "ep"),
     "gemma3_text": ("tp", "pp"),
-    "deepseek_v3": ("tp", "pp"),  # TP in equal shares only (MLA): tensor.check refuses the rest
+    # TP in equal shares only (MLA): tensor.check refuses the rest; EP's attention likewise.
+    "deepseek_v3": ("tp", "pp", "ep"),
     "deepseek_v32": ("tp", "pp"),  # DeepSeek V3.2; TP in equal shares only (MLA)
     "glm_moe_dsa": ("tp", "pp"),  # GLM-5; TP in equal shares only (MLA)
-    "glm4_moe": ("tp", "pp"),
-    "gpt_oss": ("tp", "pp"),  # TP in equal shares only (attention sinks)
-    "mixtral": ("tp", "pp"),
+    "glm4_moe": ("tp", "pp", "ep"),
+    "gpt_oss": ("tp", "pp", "ep"),  # TP (and EP's attention) in equal shares only (sinks)
+    "mixtral": ("tp", "pp", "ep"),
     "phi3": ("pp",),  # fused qkv/gate_up projections: TP refused
     "qwen3_next": ("pp",),  # linear-attention layers: TP refused
 }
 
 LAYOUTS = ("tp", "pp")  # what --parallel launches; a planner "hybrid" plan needs its own entry
+MOE_LAYOUTS = ("ep",)  # --parallel ep: MoE models only, so `describe` offers it only when verified
 
 
 @dataclass(frozen=True, slots=True)

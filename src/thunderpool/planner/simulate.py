@@ -209,11 +209,19 @@ def simulate_main(args: argparse.Namespace) -> int:
         f"context {args.context} x {args.concurrency}, prompt {prompt}"
     )
     console.print(plan_table(distinct(plans, cluster)[: args.top]))
+    from thunderpool.planner import ep
+
+    shown = distinct(plans, cluster)[: args.top]
+    ep_rows = ep.ep_rows(spec, shown, cluster, prompt, args.concurrency)
+    if ep_rows:
+        console.print(ep.ep_table(ep_rows, GB))
     family = family_of({"model_type": spec.model_type})
     console.print(describe(family), soft_wrap=True)
     console.print(explain(plans))
     if args.json:
         out = plans_json(args, cluster, plans, family)
+        if ep_rows:
+            out["ep"] = ep.ep_json(ep_rows)
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

@@ -100,13 +100,15 @@ def _local(args, backend: str, model_dir: Path, name: str, max_context: int, tok
     from thunderpool.engine.loader import Layout, preflight
 
     nodes, parallel = args.nodes or 2, args.parallel or "tp"
-    preflight(model_dir, nodes, Layout(parallel, args.tp_weights, args.layer_split))
+    expert_split = getattr(args, "expert_split", None)
+    preflight(model_dir, nodes, Layout(parallel, args.tp_weights, args.layer_split, expert_split))
     job = RankJob(
         model_dir=str(model_dir),
         world_size=nodes,
         parallel=parallel,
         tp_weights=args.tp_weights,
         layer_split=args.layer_split,
+        expert_split=expert_split,
         prefill_chunk=args.prefill_chunk,
         task=ServeTask(model_name=name, max_batch=args.max_batch, max_context=max_context),
         backend=backend,

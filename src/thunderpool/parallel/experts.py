@@ -1,0 +1,209 @@
+"""Expert parallelism (EP): each rank holds whole routed experts, a contiguous subset of them.
+
+The router runs on every rank (its weights are replicated), so every rank knows every route.
+A rank computes only the routes to its own experts and gives the others zero; the MoE block's
+existing all_sum (the one TP uses to add its channel slices) then adds the ranks' parts, so EP
+costs the same collective traffic as TP. Attention, dense MLPs and shared experts stay TP
+(parallel/tensor.py). Expert weights are stacked (E, out, in), so a rank's experts are rows
+[e0, e1) of axis 0 and its routes are the indices in that range, shifted by -e0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from thunderpool.errors import ShardingError
+from thunderpool.parallel import tensor
+from thunderpool.parallel.tensor import SumAfter, _mlp_of, proportional_split
+from thunderpool.parallel.vocab import RowReader
+
+# Where MoE blocks keep their stacked experts: qwen/deepseek/glm/mixtral, gpt-oss.
+EXPERT_NAMES = ("switch_mlp", "experts")
+_TENSORS = ("weight", "scales", "biases", "bias")
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertShare:
+    """The routed experts [e0, e1) one rank holds."""
+
+    e0: int
+    e1: int
+
+
+def split_experts(
+    n_experts: int, weights: list[float], counts: list[int] | None = None
+) -> list[ExpertShare]:
+    """Contiguous expert ranges: `counts` experts per rank if given, else proportional to
+    `weights` (node speed or memory). Every rank holds at least one expert."""
+    n = len(weights)
+    if counts is not None:
+        if len(counts) != n or any(c < 1 for c in counts) or sum(counts) != n_experts:
+            raise ShardingError(
+                f"--expert-split {','.join(map(str, counts))} must give each of the {n} ranks "
+                f"at least one expert and {n_experts} experts in all"
+            )
+        bounds, start = [], 0
+        for c in counts:
+            bounds.append((start, start + c))
+            start += c
+    else:
+        if n > n_experts:
+            raise ShardingError(
+                f"ep={n} exceeds the model's {n_experts} routed experts; use at most "
+                f"{n_experts} ranks or --parallel tp"
+            )
+        bounds = proportional_split(n_experts, weights)
+    return [ExpertShare(a, b) for a, b in bounds]
+
+
+class LocalExperts(nn.Module):
+    """Experts [e0, e1) of a SwitchGLU/SwitchMLP; routes to other ranks' experts give zeros.
+
+    `skip` (default) computes only the local routes: their positions are read on the host, so
+    each rank reads only the experts routed to it. Without it, other routes are clamped to a
+    local expert and zeroed (no host read, so it can be traced by mx.compile, but every rank
+    then computes all k routes of every token)."""
+
+    def __init__(self, inner: nn.Module, share: ExpertShare, skip: bool = True):
+        super().__init__()
+        self.inner = inner
+        self.e0, self.n = share.e0, share.e1 - share.e0
+        self.skip = skip
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        local = indices - self.e0
+        inside = (local >= 0) & (local < self.n)
+        if not self.skip:
+            y = self.inner(x, mx.where(inside, local, 0))  # (..., k, D)
+            return y * inside[..., None].astype(y.dtype)
+        k, dim = indices.shape[-1], x.shape[-1]
+        # Host read of the route mask: which (token, slot) pairs this rank computes.
+        pos = np.flatnonzero(np.array(inside.reshape(-1)))
+        out = mx.zeros((indices.size, dim), dtype=x.dtype)
+        if pos.size:
+            pos_mx = mx.array(pos.astype(np.int32))
+            tokens = x.reshape(-1, dim)[pos_mx // k]  # (M, D)
+            y = self.inner(tokens, local.reshape(-1)[pos_mx][:, None])  # (M, 1, D)
+            out[pos_mx] = y[:, 0].astype(out.dtype)
+        return out.reshape(*indices.shape, dim)
+
+
+def moe_experts(layer: nn.Module) -> tuple[nn.Module, str] | None:
+    """(MoE block, the name of its stacked experts) of a layer, or None for a dense layer."""
+    mlp = _mlp_of(layer) if ("mlp" in layer or "block_sparse_moe" in layer) else None
+    if isinstance(mlp, SumAfter):  # TP's wrapper around a block that cannot sum itself
+        mlp = mlp.inner
+    if mlp is None:
+        return None
+    return next(((mlp, n) for n in EXPERT_NAMES if n in mlp and _stacked(mlp[n])), None)
+
+
+def _stacked(experts: nn.Module) -> bool:
+    projs = _projs(experts).values()
+    return bool(projs) and all(p["weight"].ndim == 3 for p in projs)
+
+
+def n_experts(model: nn.Module) -> int:
+    """Routed experts per MoE layer; ShardingError for a model without stacked experts."""
+    counts = {
+        next(iter(_projs(found[0][found[1]]).values()))["weight"].shape[0]
+        for layer in model.layers
+        if (found := moe_experts(layer)) is not None
+    }
+    if len(counts) != 1:
+        why = "has no routed experts" if not counts else f"mixes expert counts {sorted(counts)}"
+        raise ShardingError(
+            f"expert parallelism needs a MoE model with stacked experts; this one {why}; "
+            "use --parallel tp or pp"
+        )
+    return counts.pop()
+
+
+def _projs(experts: nn.Module) -> dict[str, nn.Module]:
+    """The projections (children with weights; not the activation)."""
+    return {
+        k: m for k, m in experts.children().items() if isinstance(m, nn.Module) and "weight" in m
+    }
+
+
+Saved = dict[int, dict[str, dict[str, tuple[str, mx.array]]]]
+
+
+def originals(model: nn.Module) -> Saved:
+    """Each MoE layer's expert tensors before TP slices them, with their parameter names
+    (lazy: nothing is read)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    saved = {}
+    for i, layer in enumerate(model.layers):
+        if (found := moe_experts(layer)) is not None:
+            experts = found[0][found[1]]
+            saved[i] = {
+                name: {t: (f"{names.get(id(p), '')}.{t}", p[t]) for t in _TENSORS if t in p}
+                for name, p in _projs(experts).items()
+            }
+    return saved
+
+
+def _slice(_name: str, lazy: mx.array, a: int, b: int) -> mx.array:
+    return mx.contiguous(lazy[a:b])
+
+
+def shard_experts(
+    model: nn.Module, share: ExpertShare, saved: Saved, skip: bool = True, read: RowReader = _slice
+) -> None:
+    """Give every MoE layer the rows [e0, e1) of its saved (unsliced) expert tensors, and wrap
+    its experts so that routes to other ranks' experts give zeros. `read` may read the rows
+    straight from the file (stored_rows.StoredRows.rows, for checkpoints that store experts
+    stacked); slicing the lazy array reads a layer's experts whole, then drops the rest."""
+    for i, layer in enumerate(model.layers):
+        found = moe_experts(layer)
+        if found is None:
+            if i in saved:  # TP replaced the block with something this module cannot see into
+                raise ShardingError(f"layer {i}'s MoE block lost its experts while sharding")
+            continue
+        block, name = found
+        experts = block[name]
+        for proj_name, tensors in saved[i].items():
+            proj = experts[proj_name]
+            for t, (param, full) in tensors.items():
+                proj[t] = read(param, full, share.e0, share.e1)
+        block[name] = LocalExperts(experts, share, skip)
+
+
+def check(
+    model: nn.Module, n: int, weights: list[float] | None = None, counts: list[int] | None = None
+) -> list[ExpertShare]:
+    """Every rank's experts; ShardingError where attention, dense MLPs and shared experts
+    cannot be split as TP over n ranks or the experts not as asked."""
+    weights = list(weights or [1.0] * n)
+    tensor.check(model, n, weights)
+    return split_experts(n_experts(model), weights, counts)
+
+
+def shard(
+    model: nn.Module,
+    group: mx.distributed.Group,
+    weights: list[float] | None = None,
+    counts: list[int] | None = None,
+    skip: bool = True,
+    read: RowReader = _slice,
+) -> ExpertShare:
+    """Shard `model` in place for this rank: TP for attention, dense MLPs and shared experts,
+    EP for routed experts. Returns this rank's experts."""
+    n = group.size()
+    share = check(model, n, weights, counts)[group.rank()]
+    saved = originals(model)
+    # TP also slices the experts' channels (lazily); those slices are dropped unread below.
+    tensor.shard(model, group, weights)
+    shard_experts(model, share, saved, skip, read)
+    return share
+
+
+def unwrap(block: nn.Module, name: str) -> nn.Module:
+    """The stacked experts under a LocalExperts wrapper (or the experts themselves)."""
+    experts = block[name]
+    return experts.inner if isinstance(experts, LocalExperts) else experts

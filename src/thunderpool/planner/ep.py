@@ -1,0 +1,203 @@
+"""Expert parallelism's cost beside TP's (parallel/experts.py runs it).
+
+A TP rank reads its channel share of every routed expert a step touches; an EP rank reads the
+whole experts it holds that the step's tokens are routed to. Both pay the same all_sum per MoE
+block. Each MoE layer waits for its slowest rank, and with EP that is the rank the routes
+happened to favour: the expected maximum over ranks, drawn here by sampling uniform top-k
+routes (seeded, so a prediction is repeatable). Real routers have hot experts, so this
+imbalance is a floor. An EP rank also reads the route mask on the host once per MoE layer
+(LocalExperts' skip), one dispatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from thunderpool.parallel.experts import split_experts
+from thunderpool.planner import cost
+from thunderpool.planner.cost import LinkSpec, NodeSpec, Prediction, Stage
+from thunderpool.planner.spec import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class EPPrediction:
+    """EP over one TP stage's nodes, beside TP's prediction for the same nodes."""
+
+    tp: Prediction
+    ep: Prediction
+    experts: tuple[int, ...]  # routed experts per rank
+    imbalance: float  # decode: expected slowest rank's expert time / the mean rank's
+    tp_weight_bytes: tuple[float, ...]  # per rank
+    ep_weight_bytes: tuple[float, ...]
+
+
+def expert_load(
+    n_experts: int,
+    k: int,
+    counts: list[int],
+    batch: int,
+    rates: list[float],
+    samples: int = 0,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """(expected max over ranks, mean over ranks) of experts touched / rate, for `batch` tokens
+    each routed to k distinct experts drawn uniformly; rank r holds counts[r] experts."""
+    samples = samples or max(64, min(2000, 400_000 // max(1, batch * n_experts)))
+    rng = np.random.default_rng(seed)
+    owner = np.repeat(np.arange(len(counts)), counts)  # expert -> rank
+    worst = mean = 0.0
+    rate = np.asarray(rates, dtype=np.float64)
+    for _ in range(samples):
+        routes = np.argpartition(rng.random((batch, n_experts)), k - 1, axis=1)[:, :k]
+        touched = np.zeros(n_experts, dtype=bool)
+        touched[routes.ravel()] = True
+        per_rank = np.bincount(owner[touched], minlength=len(counts)) / rate
+        worst += per_rank.max()
+        mean += per_rank.mean()
+    return worst / samples, mean / samples
+
+
+def predict_ep(
+    spec: ModelSpec,
+    stage: Stage,
+    nodes: dict[str, NodeSpec] | list[NodeSpec],
+    links: list[LinkSpec],
+    prompt_tokens: int = 512,
+    concurrency: int = 1,
+    kv_dtype_bytes: float = 2.0,
+    act_bytes: float = 2.0,
+    counts: list[int] | None = None,
+) -> EPPrediction:
+    """TP and EP over one stage's nodes: attention, dense MLPs and shared experts split as TP
+    in both; EP holds whole routed experts (`counts` per rank, default by the TP weights)."""
+    if not isinstance(nodes, dict):
+        nodes = {n.name: n for n in nodes}
+    tp = cost.predict(
+        spec, [stage], nodes, links, prompt_tokens, concurrency, kv_dtype_bytes, act_bytes
+    )
+    weights = list(stage.tp_weights)
+    experts = [s.e1 - s.e0 for s in split_experts(spec.experts, weights, counts)]
+    shares = cost.shares(spec, stage)
+    runs = [cost._as_run(nodes, [stage], stage, s.node, spec.hidden) for s in shares]
+    moe = [i for i in range(*stage.layers) if spec.expert_bytes_per_layer[i]]
+    per_expert = sum(spec.expert_bytes_per_layer[i] for i in moe) / spec.experts  # all layers
+    per_param = spec.total_bytes / spec.params if spec.params else 1.0
+
+    def expert_s(batch: int) -> tuple[float, float, float]:
+        """(TP's, EP's expected, EP's mean-rank) seconds of routed experts in one forward."""
+        touched = spec.experts * (1 - (1 - spec.experts_per_tok / spec.experts) ** batch)
+        flops = 2 * batch * spec.experts_per_tok * per_expert / per_param  # all ranks together
+        tp_s = max(
+            max(s.mlp * touched * per_expert / r.mem_bw_Bps, s.mlp * flops / r.flops)
+            for s, r in zip(shares, runs, strict=True)
+        )
+        # Memory-bound: the experts touched on the slowest rank; compute: its share of routes.
+        worst, mean = expert_load(
+            spec.experts,
+            spec.experts_per_tok,
+            experts,
+            batch,
+            [r.mem_bw_Bps / per_expert for r in runs],
+        )
+        flop_s = max(n / spec.experts * flops / r.flops for n, r in zip(experts, runs, strict=True))
+        return tp_s, max(worst, flop_s), max(mean, flop_s)
+
+    tp_dec, ep_dec, ep_mean = expert_s(concurrency)
+    tp_pre, ep_pre, _ = expert_s(prompt_tokens)
+    sync = len(moe) * max(r.op_latency_s for r in runs)
+    b = tp.breakdown
+    step = b.compute_s + b.memory_s + b.collective_s + b.dispatch_s - tp_dec + ep_dec + sync
+    ttft = tp.ttft_s - tp_pre + ep_pre
+    ep = Prediction(
+        decode_tps=1.0 / step,
+        batch_tps=concurrency / step,
+        prefill_tps=prompt_tokens / ttft,
+        ttft_s=ttft,
+        breakdown=_moved(b, ep_dec - tp_dec, sync),
+        collectives_per_token=tp.collectives_per_token,
+    )
+    routed = sum(spec.expert_bytes_per_layer[i] for i in range(*stage.layers))
+    head = [cost.head_share([stage], 0, s) for s in shares]
+    tp_bytes = [cost.weight_bytes(spec, stage, s, h) for s, h in zip(shares, head, strict=True)]
+    ep_bytes = [
+        b - s.mlp * routed + n / spec.experts * routed
+        for b, s, n in zip(tp_bytes, shares, experts, strict=True)
+    ]
+    return EPPrediction(
+        tp=tp,
+        ep=ep,
+        experts=tuple(experts),
+        imbalance=ep_dec / ep_mean if ep_mean else 1.0,
+        tp_weight_bytes=tuple(tp_bytes),
+        ep_weight_bytes=tuple(ep_bytes),
+    )
+
+
+def _moved(b: cost.Breakdown, extra_s: float, sync_s: float) -> cost.Breakdown:
+    """TP's breakdown with EP's extra expert seconds on its bound (memory or compute)."""
+    dispatch = b.dispatch_s + sync_s
+    if b.memory_s >= b.compute_s:
+        return cost.Breakdown(b.compute_s, b.memory_s + extra_s, b.collective_s, dispatch)
+    return cost.Breakdown(b.compute_s + extra_s, b.memory_s, b.collective_s, dispatch)
+
+
+def ep_rows(spec: ModelSpec, plans: list, cluster, prompt_tokens: int, concurrency: int) -> list:
+    """(plan, EPPrediction) for each single-stage TP plan of a MoE model, fastest TP first."""
+    if not spec.experts:
+        return []
+    nodes, links = cluster.specs()
+    rows = []
+    for p in plans:
+        if p.kind == "tp" and len(p.stages) == 1 and len(p.nodes) <= spec.experts:
+            stage = p.stages[0]
+            rows.append((p, predict_ep(spec, stage, nodes, links, prompt_tokens, concurrency)))
+    return rows
+
+
+def ep_table(rows: list, gb: float):
+    """TP against EP over the same nodes: decode, prefill, imbalance and weights per rank."""
+    from rich.table import Table
+
+    table = Table(
+        "ranks",
+        "decode TP",
+        "decode EP",
+        "EP wait",
+        "prefill TP",
+        "prefill EP",
+        "experts",
+        "GB/rank TP / EP",
+        title="expert parallelism (--parallel ep) beside TP on the same nodes, tok/s; EP wait: "
+        "the slowest rank's expert time over the mean rank's (uniform routing)",
+    )
+    for p, e in rows:
+        table.add_row(
+            str(len(p.nodes)),
+            f"{e.tp.decode_tps:.1f}",
+            f"{e.ep.decode_tps:.1f}",
+            f"x{e.imbalance:.2f}",
+            f"{e.tp.prefill_tps:.0f}",
+            f"{e.ep.prefill_tps:.0f}",
+            "+".join(map(str, e.experts)),
+            f"{max(e.tp_weight_bytes) / gb:.0f} / {max(e.ep_weight_bytes) / gb:.0f} GB",
+        )
+    return table
+
+
+def ep_json(rows: list) -> list[dict]:
+    return [
+        {
+            "nodes": list(p.nodes),
+            "tp_decode_tps": e.tp.decode_tps,
+            "ep_decode_tps": e.ep.decode_tps,
+            "ep_imbalance": e.imbalance,
+            "tp_prefill_tps": e.tp.prefill_tps,
+            "ep_prefill_tps": e.ep.prefill_tps,
+            "experts_per_rank": list(e.experts),
+            "tp_weight_bytes": list(e.tp_weight_bytes),
+            "ep_weight_bytes": list(e.ep_weight_bytes),
+        }
+        for p, e in rows
+    ]

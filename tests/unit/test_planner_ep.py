@@ -1,0 +1,39 @@
+"""EP's cost beside TP's (planner/ep.py): the sampled load imbalance against its exact value,
+and what EP changes about a TP plan on deepseek-v3:q4 over two M3 Ultras."""
+
+from __future__ import annotations
+
+import pytest
+
+from thunderpool.planner.ep import expert_load, predict_ep
+from thunderpool.planner.presets import parse_cluster
+from thunderpool.planner.simulate import load_model, simulate
+
+
+def test_expert_load_matches_the_exact_expectation():
+    # 4 experts, 2 per token, 2 + 2 per rank: both routes on one rank with probability 1/3
+    # (max 2), else one each (max 1): E[max] = 4/3 over a mean of 1.
+    worst, mean = expert_load(4, 2, [2, 2], 1, [1.0, 1.0], samples=8000)
+    assert worst == pytest.approx(4 / 3, abs=0.02)
+    assert mean == pytest.approx(1.0, abs=1e-9)
+    # A batch that touches every expert leaves no imbalance; a rank twice as fast halves its time.
+    assert expert_load(4, 2, [2, 2], 64, [1.0, 1.0]) == pytest.approx((2.0, 2.0))
+    assert expert_load(4, 2, [2, 2], 64, [2.0, 1.0]) == pytest.approx((2.0, 1.5))
+
+
+def test_ep_beside_tp_on_two_m3_ultras():
+    spec = load_model("deepseek-v3:q4")
+    cluster = parse_cluster("2x m3-ultra-512@tb5-rdma")
+    plan = next(p for p in simulate(spec, cluster) if p.kind == "tp" and len(p.nodes) == 2)
+    nodes, links = cluster.specs()
+    e = predict_ep(spec, plan.stages[0], nodes, links, 512, 1)
+    assert e.tp.decode_tps == pytest.approx(plan.prediction.decode_tps)
+    assert e.experts == (128, 128)
+    # Same weights in all, moved between the ranks; here the same per rank too.
+    assert sum(e.ep_weight_bytes) == pytest.approx(sum(e.tp_weight_bytes))
+    # One token's 8 routes rarely split 4 + 4: the busier rank sets the pace.
+    assert 1.1 < e.imbalance < 1.5
+    assert e.ep.decode_tps < e.tp.decode_tps
+    # A 512-token prefill touches every expert on both ranks: the same time.
+    assert e.ep.prefill_tps == pytest.approx(e.tp.prefill_tps, rel=0.02)
+    assert e.ep.collectives_per_token == e.tp.collectives_per_token
