@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from thunderpool.engine.logits import TokenLogprob
 from thunderpool.engine.plan import Prefill, StepPlan
 from thunderpool.engine.sampling import SamplingParams
 
@@ -40,6 +41,7 @@ class Emitted:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    logprob: TokenLogprob | None = None  # the engine adds it where the request asked
 
 
 class Scheduler:

@@ -71,6 +71,7 @@ class TextEdge:
             return
         self._count(ev)
         tokens = () if ev.token is None else (ev.token,)
+        logprobs = () if ev.logprob is None else (ev.logprob,)
         delta = self.text.add(ev.token) if self.text is not None and tokens else ""
         reason = ev.finish_reason
         if self.text is not None and self.text.stopped:
@@ -78,12 +79,12 @@ class TextEdge:
                 self.cancel(ev.sid)
             reason = "stop"
         if reason is None:
-            self.emit(Delta(delta, tokens=tokens))
+            self.emit(Delta(delta, tokens=tokens, logprobs=logprobs))
             return
         self.done = True
         tail = self.text.finish() if self.text is not None else ""
         counts = (ev.prompt_tokens, ev.completion_tokens)
-        self.emit(Delta(delta + tail, reason, *counts, tokens=tokens))
+        self.emit(Delta(delta + tail, reason, *counts, tokens=tokens, logprobs=logprobs))
 
     def _count(self, ev: Emitted) -> None:
         self.last_at = now = time.perf_counter()

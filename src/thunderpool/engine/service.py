@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from thunderpool.engine.logits import TokenLogprob
 from thunderpool.engine.sampling import SamplingParams
 
 
@@ -25,6 +26,7 @@ class Delta:
     completion_tokens: int = 0
     error: str | None = None
     tokens: tuple[int, ...] = ()  # the token ids behind this delta
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked
 
 
 @dataclass(frozen=True, slots=True)
