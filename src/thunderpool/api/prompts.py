@@ -10,6 +10,7 @@ from typing import Any
 
 from thunderpool.api.errors import APIError, bad_request
 from thunderpool.api.schemas import ChatRequest, CompletionRequest, Message, SamplingFields
+from thunderpool.api.structured import sampling_extras
 from thunderpool.engine.sampling import SamplingParams
 
 # OpenAI's defaults; the engine's own default (greedy) applies only to in-process callers.
@@ -31,19 +32,12 @@ def check_model(requested: str | None, served: str) -> None:
 
 
 def check_supported(req: ChatRequest | CompletionRequest) -> None:
-    """Refuse what would change the response's shape rather than silently ignore it."""
-    if req.n is not None and req.n != 1:
-        raise bad_request(f"n={req.n} is not supported; only n=1", param="n")
+    """Refuse what would change the response's shape rather than silently ignore it
+    (n, logprobs, tools and response_format are checked by structured.py)."""
     if isinstance(req, ChatRequest):
-        if req.logprobs:
-            raise bad_request("logprobs are not supported", param="logprobs")
-        if req.tools:
-            raise bad_request("tools are not supported", param="tools")
         if not req.messages:
             raise bad_request("'messages' must contain at least one message", param="messages")
     else:
-        if req.logprobs is not None:
-            raise bad_request("logprobs are not supported", param="logprobs")
         if req.echo:
             raise bad_request("echo is not supported", param="echo")
         if req.best_of is not None and req.best_of != 1:
@@ -118,6 +112,7 @@ def sampling_params(
             code="context_length_exceeded",
         )
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    extras = sampling_extras(req)  # type: ignore[arg-type]
     try:
         return SamplingParams(
             max_tokens=max_context - n_prompt if max_tokens is None else max_tokens,
@@ -126,6 +121,7 @@ def sampling_params(
             top_k=req.top_k or 0,
             seed=req.seed,
             stop=stop,
+            **extras,
         )
     except ValueError as e:
         # SamplingParams names the field first: "top_p=1.5 must be in (0, 1]".

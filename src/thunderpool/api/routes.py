@@ -20,7 +20,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 
-from thunderpool.api import openapi, prompts
+from thunderpool.api import openapi, prompts, structured
 from thunderpool.api.body import API_LIMIT, BodyError, read_body
 from thunderpool.api.errors import RETRY_AFTER_S, APIError, from_validation, install_error_handlers
 from thunderpool.api.errors import not_ready as not_ready_error
@@ -30,7 +30,7 @@ from thunderpool.api.generation import (
     Job,
     Outcome,
     chat_body,
-    collect,
+    collect_all,
     completion_body,
     stream,
 )
@@ -93,6 +93,7 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
         prefix: str, req: ChatRequest | CompletionRequest, prompt: list[int], params: SamplingParams
     ) -> Job:
         include = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        tokenizer = engine.tokenizer
         return Job(
             id=f"{prefix}-{uuid.uuid4().hex[:24]}",
             created=int(time.time()),
@@ -100,19 +101,26 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
             prompt=prompt,
             params=params,
             include_usage=include,
+            n=structured.check_n(req),
+            tool_call=isinstance(req, ChatRequest) and structured.forced_tools(req) is not None,
+            token_text=lambda t: tokenizer.decode([t]),
         )
 
     async def answer(
         request: Request,
         job: Job,
         frames: ChatFrames | CompletionFrames | None,
-        body: Callable[[Job, Outcome], BaseModel],
+        body: Callable[[Job, list[Outcome]], BaseModel],
     ) -> Response:
         # Streams watch for the disconnect inside EventStream; a collected answer does it here.
-        deltas = engine.generate(job.prompt, job.params, replayable=frames is None)
+        # n choices are n requests on the same prompt (a prefix cache makes them share it).
+        streams = [
+            engine.generate(job.prompt, job.choice_params(i), replayable=frames is None)
+            for i in range(job.n)
+        ]
         if frames is not None:
-            return EventStream(stream(deltas, job, frames))
-        out = await until_disconnect(request.receive, lambda: collect(deltas, job))
+            return EventStream(stream(streams, job, frames))
+        out = await until_disconnect(request.receive, lambda: collect_all(streams, job))
         if out is None:
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(body(job, out).model_dump(mode="json"))

@@ -36,6 +36,19 @@ class Message(_Request):
     content: str | list[ContentPart] | None = None
 
 
+class JSONSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    # `schema` shadows a BaseModel attribute; the wire name stays "schema".
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class SamplingFields(_Request):
     model: str | None = None
     max_tokens: int | None = None
@@ -47,13 +60,22 @@ class SamplingFields(_Request):
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # not OpenAI; vLLM's
+    min_p: float | None = None  # not OpenAI; vLLM's and llama.cpp's
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class ChatRequest(SamplingFields):
     messages: list[Message]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -69,16 +91,63 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class FunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    index: int | None = None  # stream deltas only
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_index(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        d = handler(self)
+        return {k: v for k, v in d.items() if k != "index" or v is not None}
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class LogprobContent(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[LogprobContent] | None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    # `tool_calls` appears only when the model called a tool (content is then null).
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        d = handler(self)
+        if d.get("tool_calls") is None:
+            d.pop("tool_calls", None)
+        return d
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -94,6 +163,7 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     # OpenAI sends only the keys a delta carries: `{"content": "Hi"}`, and `{}` at the end.
     @model_serializer(mode="wrap")
@@ -105,7 +175,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -122,7 +192,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):
