@@ -63,16 +63,16 @@ class Penalties:
             seen = mx.zeros((V,), dtype=mx.float32)
             self.seen = (seen.at[mx.array(prompt)].add(1.0) if prompt else seen) > 0
         out = logits
+        if self.bias:  # first, as mlx-lm's make_logits_processors orders them
+            ids = mx.array([t for t, _ in self.bias if 0 <= t < V])
+            vals = mx.array([b for t, b in self.bias if 0 <= t < V], dtype=out.dtype)
+            out = out.at[:, ids].add(vals) if ids.size else out
         if self.repetition != 1.0:
             seen = self.seen | (self.counts > 0)
             p = self.repetition
             out = mx.where(seen, mx.where(out > 0, out / p, out * p), out)
         if self.frequency or self.presence:
             out = out - self.frequency * self.counts - self.presence * (self.counts > 0)
-        if self.bias:
-            ids = mx.array([t for t, _ in self.bias if 0 <= t < V])
-            vals = mx.array([b for t, b in self.bias if 0 <= t < V], dtype=out.dtype)
-            out = out.at[:, ids].add(vals) if ids.size else out
         return out.astype(logits.dtype)
 
 
