@@ -75,7 +75,7 @@ def output_schema(req: ChatRequest | CompletionRequest) -> str | None:
                 "response_format cannot be combined with a forced tool_choice; use one",
                 param="response_format",
             )
-        return _checked(tool_call_schema(forced), "tools")
+        return _checked(closed(tool_call_schema(forced)), "tools")
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
@@ -84,7 +84,21 @@ def output_schema(req: ChatRequest | CompletionRequest) -> str | None:
         raise bad_request(
             "response_format json_schema needs json_schema.schema", param="response_format"
         )
-    return _checked(fmt.json_schema.schema_, "response_format")
+    schema = fmt.json_schema.schema_
+    return _checked(closed(schema) if fmt.json_schema.strict else schema, "response_format")
+
+
+def closed(schema: Any) -> Any:
+    """OpenAI's strict mode: objects that do not say otherwise take no extra properties
+    (a small model otherwise invents keys until max_tokens)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _checked(schema: Any, param: str) -> str:

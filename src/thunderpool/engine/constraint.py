@@ -89,6 +89,8 @@ class Matcher:
         self.vocab = ll.vocab_size
 
     def consume(self, token: int) -> None:
+        if self.m.is_stopped():
+            return  # a burst may run a row a step past its EOS; that token is discarded
         if not self.m.consume_token(token):
             log.warning("constrained row: token %d rejected: %s", token, self.m.get_error())
 
