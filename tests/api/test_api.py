@@ -125,6 +125,41 @@ def test_sampling_fields_pass_through(client, engine):
     ]
 
 
+def test_sampling_surface_passes_through(client, engine):
+    r = chat(
+        client,
+        max_tokens=5,
+        frequency_penalty=0.5,
+        presence_penalty=-0.25,
+        repetition_penalty=1.1,
+        min_p=0.05,
+        logit_bias={"12": -100, "3": 2},
+        logprobs=True,
+        top_logprobs=2,
+        response_format={"type": "json_object"},
+    )
+    assert r.status_code == 200, r.text
+    r = client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3, "logprobs": 4}
+    )
+    assert r.status_code == 200, r.text
+    assert [p for _, p in engine.calls] == [
+        SamplingParams(
+            max_tokens=5,
+            temperature=1.0,
+            frequency_penalty=0.5,
+            presence_penalty=-0.25,
+            repetition_penalty=1.1,
+            min_p=0.05,
+            logit_bias=((3, 2.0), (12, -100.0)),
+            logprobs=True,
+            top_logprobs=2,
+            json_schema='{"type": "object"}',
+        ),
+        SamplingParams(max_tokens=3, temperature=1.0, logprobs=True, top_logprobs=4),
+    ]
+
+
 def test_unknown_fields_are_ignored(client):
     r = chat(client, user="u1", response_format={"type": "text"})
     assert r.status_code == 200

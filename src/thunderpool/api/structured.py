@@ -125,7 +125,8 @@ def forced_tools(req: ChatRequest) -> list[dict] | None:
     if choice == "required":
         return functions
     if isinstance(choice, dict) and choice.get("type") == "function":
-        name = (choice.get("function") or {}).get("name")
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
         named = [f for f in functions if f["name"] == name]
         if not named:
             known = ", ".join(repr(f["name"]) for f in functions)

@@ -36,9 +36,10 @@ def grammar_of(schema: str) -> str:
 
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-    except ValueError as e:
-        raise SchemaError(f"the JSON schema is not valid JSON: {e}") from None
-    if problem := llguidance.LLMatcher.validate_grammar(grammar):
+        problem = llguidance.LLMatcher.validate_grammar(grammar)
+    except Exception as e:  # the Rust side raises ValueError, or others on odd input
+        raise SchemaError(f"the JSON schema cannot be enforced: {e}") from None
+    if problem:
         raise SchemaError(f"the JSON schema cannot be enforced: {problem}")
     return grammar
 
