@@ -207,6 +207,7 @@ def chat_body(content: str, **kw) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
 
 
+@pytest.mark.slow
 def test_twenty_json_schemas_validate(server):
     bodies = [
         chat_body(
@@ -233,6 +234,7 @@ def test_twenty_json_schemas_validate(server):
     assert not failed, failed
 
 
+@pytest.mark.slow
 def test_json_object_and_forced_tool_calls(server):
     ask = "What is the weather in Paris? Also add 2 and 3."
     named = {"type": "function", "function": {"name": "add"}}
@@ -265,6 +267,7 @@ def test_json_object_and_forced_tool_calls(server):
         )
 
 
+@pytest.mark.slow
 def test_streamed_tool_call(server):
     body = chat_body(
         "Add 2 and 3.",
@@ -313,6 +316,22 @@ def test_logprobs_equal_the_models_log_softmax(local):
             assert all(abs(tops[k] - want[k]) < 1e-4 for k in tops)
 
 
+def test_streamed_logprobs_equal_collected(local):
+    body = chat_body("Hello", temperature=0, max_tokens=5, logprobs=True, top_logprobs=2)
+    (whole,) = post_all(local, "/v1/chat/completions", [body])
+    (r,) = post_all(local, "/v1/chat/completions", [{**body, "stream": True}])
+    events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    streamed = [
+        e
+        for ev in events
+        for c in ev["choices"]
+        if c.get("logprobs")
+        for e in c["logprobs"]["content"]
+    ]
+    assert streamed == whole.json()["choices"][0]["logprobs"]["content"]
+    assert len(streamed) == 5
+
+
 def reference_logprobs(local, prompt: list[int], steps: int):
     """Greedy continuation by full forwards (no cache): (chosen logprob, top pairs) per step."""
     model, seq, out = local.runner.model, list(prompt), []
@@ -326,16 +345,28 @@ def reference_logprobs(local, prompt: list[int], steps: int):
     return out
 
 
+@pytest.mark.slow
 def test_n_greedy_choices_are_identical(server):
-    body = chat_body("Name a color.", temperature=0, max_tokens=8, n=3)
+    """n = 3 greedy choices, with logprobs carried over the engine link: identical."""
+    body = chat_body("Name a color.", temperature=0, max_tokens=8, n=3, logprobs=True)
     (r,) = post_all(server, "/v1/chat/completions", [body])
-    texts = [c["message"]["content"] for c in r.json()["choices"]]
-    assert len(texts) == 3 and texts[0] and len(set(texts)) == 1
-    assert r.json()["usage"]["completion_tokens"] == 3 * (
-        r.json()["usage"]["completion_tokens"] // 3
-    )
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    texts = [c["message"]["content"] for c in choices]
+    assert texts[0] and len(set(texts)) == 1
+    logprobs = [c["logprobs"]["content"] for c in choices]
+    # Same tokens; values within float noise (rows joined the batch at different steps).
+    for lp in logprobs[1:]:
+        assert [e["token"] for e in lp] == [e["token"] for e in logprobs[0]]
+        np.testing.assert_allclose(
+            [e["logprob"] for e in lp], [e["logprob"] for e in logprobs[0]], atol=1e-4
+        )
+    assert "".join(e["token"] for e in logprobs[0]) == texts[0]
+    eos = choices[0]["finish_reason"] == "stop"  # the EOS token has no logprob entry
+    assert r.json()["usage"]["completion_tokens"] == 3 * (len(logprobs[0]) + eos)
 
 
+@pytest.mark.slow
 def test_unenforceable_schema_is_400(server):
     bad = {"type": "string", "minLength": 3, "maxLength": 2}
     body = chat_body("x", response_format={"type": "json_schema", "json_schema": {"schema": bad}})
