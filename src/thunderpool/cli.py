@@ -270,6 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also measure continuous batching at these stream counts, e.g. 1,4,8",
     )
     bench.add_argument(
+        "--constrained",
+        action="store_true",
+        help="instead, measure decode tok/s with a JSON-schema grammar against without, "
+        "on one rank",
+    )
+    bench.add_argument(
         "--cluster",
         action="store_true",
         help="instead, run the planner's best plans on the cluster and compare "

@@ -195,6 +195,15 @@ def bench(args: argparse.Namespace) -> int:
             raise ThunderpoolError("--synthetic and --model both name a model; pass one of them")
         # A path: on a cluster every node must see it (one machine, or a shared disk).
         args.model = str(synthetic_model(args.synthetic, console=console))
+    if getattr(args, "constrained", False):
+        import json
+
+        from thunderpool.bench.structured import constrained_cost
+        from thunderpool.models.source import resolve_model
+
+        result = constrained_cost(resolve_model(args.model), args.max_tokens, args.repeats)
+        print(json.dumps(result, indent=2))
+        return 0
     if args.cluster:
         import json
 

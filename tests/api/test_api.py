@@ -125,8 +125,43 @@ def test_sampling_fields_pass_through(client, engine):
     ]
 
 
+def test_sampling_surface_passes_through(client, engine):
+    r = chat(
+        client,
+        max_tokens=5,
+        frequency_penalty=0.5,
+        presence_penalty=-0.25,
+        repetition_penalty=1.1,
+        min_p=0.05,
+        logit_bias={"12": -100, "3": 2},
+        logprobs=True,
+        top_logprobs=2,
+        response_format={"type": "json_object"},
+    )
+    assert r.status_code == 200, r.text
+    r = client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3, "logprobs": 4}
+    )
+    assert r.status_code == 200, r.text
+    assert [p for _, p in engine.calls] == [
+        SamplingParams(
+            max_tokens=5,
+            temperature=1.0,
+            frequency_penalty=0.5,
+            presence_penalty=-0.25,
+            repetition_penalty=1.1,
+            min_p=0.05,
+            logit_bias=((3, 2.0), (12, -100.0)),
+            logprobs=True,
+            top_logprobs=2,
+            json_schema='{"type": "object"}',
+        ),
+        SamplingParams(max_tokens=3, temperature=1.0, logprobs=True, top_logprobs=4),
+    ]
+
+
 def test_unknown_fields_are_ignored(client):
-    r = chat(client, frequency_penalty=0.5, user="u1", response_format={"type": "text"})
+    r = chat(client, user="u1", response_format={"type": "text"})
     assert r.status_code == 200
     assert r.json()["choices"][0]["message"]["content"] == "Hello world"
 
@@ -278,20 +313,53 @@ def test_unknown_model_is_404(client, engine):
     assert engine.calls == []
 
 
-def test_n_above_one_is_400(client):
-    assert status_body(chat(client, n=2)) == error(400, "n=2 is not supported; only n=1", "n")
+def test_n_out_of_range_is_400(client):
+    assert status_body(chat(client, n=17)) == error(400, "n=17 must be in [1, 16]", "n")
+    assert status_body(chat(client, n=0)) == error(400, "n=0 must be in [1, 16]", "n")
+
+
+def test_n_choices_are_n_requests(client, engine):
+    r = chat(client, n=3, seed=5, temperature=0.7)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["message"]["content"] == "Hello world" for c in body["choices"])
+    assert body["usage"]["completion_tokens"] == 3 * USAGE["completion_tokens"]
+    assert body["usage"]["prompt_tokens"] == USAGE["prompt_tokens"]
+    assert [p.seed for _, p in engine.calls] == [5, 6, 7]  # each choice its own draw
 
 
 @pytest.mark.parametrize(
     ("body", "message", "param"),
     [
-        ({"logprobs": True}, "logprobs are not supported", "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs needs logprobs: true", "top_logprobs"),
+        (
+            {"logprobs": True, "top_logprobs": 21},
+            "top_logprobs=21 must be in [0, 20]",
+            "top_logprobs",
+        ),
         (
             {"tools": [{"type": "function", "function": {"name": "f"}}]},
             "'tools' is not supported by the served model 'fake-model': its chat template has no "
             "tool-call format that mlx-lm's tool parsers know (for example Qwen, Llama 3.1+, "
             "Mistral, GLM, Kimi, Gemma); serve such a model to use tools",
             "tools",
+        ),
+        (
+            {"frequency_penalty": 2.5},
+            "frequency_penalty=2.5 must be in [-2, 2]",
+            "frequency_penalty",
+        ),
+        ({"min_p": 1.5}, "min_p=1.5 must be in [0, 1]", "min_p"),
+        (
+            {"logit_bias": {"x": 1}},
+            "logit_bias key 'x' is not a token id; use integers",
+            "logit_bias",
+        ),
+        (
+            {"logit_bias": {"5": 101}},
+            "logit_bias={5: 101.0} needs a token id >= 0 and a bias in [-100, 100]",
+            "logit_bias",
         ),
         ({"messages": []}, "'messages' must contain at least one message", "messages"),
         ({"stop": ["a", ""]}, "stop strings must not be empty", "stop"),
@@ -434,7 +502,7 @@ def test_cluster_echoes_engine_info(client):
 
 def test_metrics_exposition(client):
     chat(client)
-    chat(client, n=3)
+    chat(client, n=17)
     r = client.get("/metrics")
     assert r.status_code == 200
     assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"

@@ -10,6 +10,7 @@ from typing import Any
 
 from thunderpool.api.errors import APIError, bad_request
 from thunderpool.api.schemas import ChatRequest, CompletionRequest, Message, SamplingFields
+from thunderpool.api.structured import sampling_extras
 from thunderpool.engine.sampling import SamplingParams
 
 # OpenAI's defaults; the engine's own default (greedy) applies only to in-process callers.
@@ -31,17 +32,12 @@ def check_model(requested: str | None, served: str) -> None:
 
 
 def check_supported(req: ChatRequest | CompletionRequest) -> None:
-    """Refuse what would change the response's shape rather than silently ignore it."""
-    if req.n is not None and req.n != 1:
-        raise bad_request(f"n={req.n} is not supported; only n=1", param="n")
+    """Refuse what would change the response's shape rather than silently ignore it
+    (n, logprobs, tools and response_format are checked by structured.py)."""
     if isinstance(req, ChatRequest):
-        if req.logprobs:
-            raise bad_request("logprobs are not supported", param="logprobs")
         if not req.messages:
             raise bad_request("'messages' must contain at least one message", param="messages")
     else:
-        if req.logprobs is not None:
-            raise bad_request("logprobs are not supported", param="logprobs")
         if req.echo:
             raise bad_request("echo is not supported", param="echo")
         if req.best_of is not None and req.best_of != 1:
@@ -70,9 +66,12 @@ def chat_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
     return out
 
 
-def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def chat_prompt(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The chat template's prompt ids; `tools` are rendered where the template has a place
+    for them (a forced call's grammar holds whether it does or not)."""
+    extra = {"tools": tools} if tools else {}
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
     except Exception as e:  # templates are data that raise on input they reject
         raise bad_request(
             f"the model's chat template rejected the messages: {e}", "messages"
@@ -116,6 +115,7 @@ def sampling_params(
             code="context_length_exceeded",
         )
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    extras = sampling_extras(req)  # type: ignore[arg-type]
     try:
         return SamplingParams(
             max_tokens=max_context - n_prompt if max_tokens is None else max_tokens,
@@ -124,6 +124,7 @@ def sampling_params(
             top_k=req.top_k or 0,
             seed=req.seed,
             stop=stop,
+            **extras,
         )
     except ValueError as e:
         # SamplingParams names the field first: "top_p=1.5 must be in (0, 1]".

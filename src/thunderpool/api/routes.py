@@ -25,7 +25,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 
-from thunderpool.api import anthropic, ollama, openai_chat, openapi, prompts, responses
+from thunderpool.api import anthropic, ollama, openai_chat, openapi, prompts, responses, structured
 from thunderpool.api.body import API_LIMIT, BodyError, read_body
 from thunderpool.api.conversation import Conversation, admit, collect_turn
 from thunderpool.api.errors import RETRY_AFTER_S, APIError, from_validation, install_error_handlers
@@ -36,7 +36,7 @@ from thunderpool.api.generation import (
     Job,
     Outcome,
     chat_body,
-    collect,
+    collect_all,
     completion_body,
     stream,
 )
@@ -137,6 +137,7 @@ def create_app(
         prefix: str, req: ChatRequest | CompletionRequest, prompt: list[int], params: SamplingParams
     ) -> Job:
         include = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        tokenizer = engine.tokenizer
         return Job(
             id=f"{prefix}-{uuid.uuid4().hex[:24]}",
             created=int(time.time()),
@@ -144,19 +145,26 @@ def create_app(
             prompt=prompt,
             params=params,
             include_usage=include,
+            n=structured.check_n(req),
+            tool_call=isinstance(req, ChatRequest) and structured.forced_tools(req) is not None,
+            token_text=lambda t: tokenizer.decode([t]),
         )
 
     async def answer(
         request: Request,
         job: Job,
         frames: ChatFrames | CompletionFrames | None,
-        body: Callable[[Job, Outcome], BaseModel],
+        body: Callable[[Job, list[Outcome]], BaseModel],
     ) -> Response:
         # Streams watch for the disconnect inside EventStream; a collected answer does it here.
-        deltas = engine.generate(job.prompt, job.params, replayable=frames is None)
+        # n choices are n requests on the same prompt (a prefix cache makes them share it).
+        streams = [
+            engine.generate(job.prompt, job.choice_params(i), replayable=frames is None)
+            for i in range(job.n)
+        ]
         if frames is not None:
-            return EventStream(stream(deltas, job, frames))
-        out = await until_disconnect(request.receive, lambda: collect(deltas, job))
+            return EventStream(stream(streams, job, frames))
+        out = await until_disconnect(request.receive, lambda: collect_all(streams, job))
         if out is None:
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(body(job, out).model_dump(mode="json"))
@@ -176,11 +184,14 @@ def create_app(
         prompts.check_model(req.model, engine.info.model)
         prompts.check_supported(req)
         conv = openai_chat.to_conversation(req)
-        if (conv.tools and conv.tool_choice != "none") or conv.tool_choice not in SERVED_CHOICES:
+        # A forced call ("required" or a named function) is constrained decoding's
+        # (structured.py); "auto" lets the model choose, parsed by the family's tool parser.
+        forced = conv.tool_choice not in SERVED_CHOICES
+        if conv.tools and conv.tool_choice != "none" and not forced:
             return await chat_with_tools(request, conv, req)
         ready()
-        messages = list(conv.messages)
-        ids = await to_thread.run_sync(prompts.chat_prompt, engine.tokenizer, messages)
+        messages, tools = list(conv.messages), list(conv.tools) if forced else None
+        ids = await to_thread.run_sync(prompts.chat_prompt, engine.tokenizer, messages, tools)
         limit = conv.sampling.max_tokens
         params = prompts.sampling_params(req, limit, len(ids), engine.info.max_context, "messages")
         job = new_job("chatcmpl", req, ids, params)

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import mlx.core as mx
 
@@ -26,7 +27,7 @@ from thunderpool.engine.control import Control
 from thunderpool.engine.executor import Executor
 from thunderpool.engine.plan import STOP_PLAN, StepPlan
 from thunderpool.engine.runner import Runner
-from thunderpool.engine.sampling import SamplingParams
+from thunderpool.engine.sampling import Sampler, SamplingParams
 from thunderpool.engine.scheduler import Emitted, Scheduler
 
 OnEvent = Callable[[Emitted], None]
@@ -43,9 +44,15 @@ class Engine:
         max_context: int = 4096,
         eos: set[int] | frozenset[int] = frozenset(),
         pipeline: bool | None = None,
+        tokenizer=None,
     ):
+        """`tokenizer` (mlx-lm's, the leader's): lets requests carry a json_schema."""
         self.runner, self.control = runner, control
         self.executor = Executor(runner, control, pipeline)
+        if tokenizer is not None:
+            from thunderpool.engine.constraint import Grammars
+
+            self.executor.make_sampler = partial(Sampler, grammars=Grammars(tokenizer))
         self.scheduler = Scheduler(prefill_chunk, max_batch, max_context, eos)
         self.plans = 0  # sent so far (tests count them)
         self.wake_s = 0.0  # the last wake-up: from waking the followers to the next plan sent
@@ -174,9 +181,12 @@ class Engine:
 
     def deliver(self, sids: list[int], tokens: list[int]) -> None:
         self._take_cancels()
+        logprobs = self.executor.logprobs_of(sids)
         for event in self.scheduler.postprocess(sids, tokens):
             if event.completion_tokens == 1 and event.sid in self._queued_s:
                 event = replace(event, queued_s=self._queued_s.pop(event.sid))
+            if event.token is not None and (lp := logprobs.get(event.sid)) is not None:
+                event = replace(event, logprob=lp)
             self._emit(event)
 
     def _take_cancels(self) -> None:

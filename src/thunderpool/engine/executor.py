@@ -20,10 +20,11 @@ import mlx.core as mx
 
 from thunderpool.engine.batch import BatchState, overlaps
 from thunderpool.engine.control import Control
+from thunderpool.engine.logits import TokenLogprob
 from thunderpool.engine.measure import collective_latency, solo_compute
 from thunderpool.engine.plan import Prefill, StepPlan
 from thunderpool.engine.runner import Runner
-from thunderpool.engine.sampling import Sampler, sample_rows
+from thunderpool.engine.sampling import Sampler, SamplingParams, sample_rows
 from thunderpool.engine.wake import Waker
 
 
@@ -43,6 +44,8 @@ class Executor:
         self.pipeline = overlaps(runner) if pipeline is None else pipeline
         self.waker = Waker(control)
         self.samplers: dict[int, Sampler] = {}  # leader: each request's sampler
+        # Leader: makes a request's sampler (the engine binds its tokenizer's grammars).
+        self.make_sampler: Callable[[SamplingParams], Sampler] = Sampler
         self.next: mx.array | None = None  # leader: each row's next input token (B,), lazy
         self._first_logits: mx.array | None = None
         # Leader: called with (sids, logits (B, V)) as their tokens are delivered (traces).
@@ -87,7 +90,9 @@ class Executor:
         """Runs the chunk; on the prompt's last chunk the leader samples the first token
         lazily (delivered by the burst, or here when the request ends with it)."""
         if self.leads and p.sampling is not None:
-            self.samplers[p.sid] = Sampler(p.sampling)
+            self.samplers[p.sid] = self.make_sampler(p.sampling)
+        if self.leads and (sampler := self.samplers.get(p.sid)) is not None:
+            sampler.observe_prompt(p.tokens)  # the repetition penalty covers the prompt
         out = self.state.prefill(p.sid, list(p.tokens))
         if not (p.last and self.leads):
             # Every rank's prefill completes before any exchange (the collectives' order).
@@ -103,6 +108,16 @@ class Executor:
             return None
         self._first_logits = out
         return y
+
+    def logprobs_of(self, sids: list[int]) -> dict[int, TokenLogprob]:
+        """Leader: the logprob records of the tokens being delivered for `sids` (rows that
+        asked for them), in the order they were sampled."""
+        out = {}
+        for sid in sids:
+            s = self.samplers.get(sid)
+            if s is not None and (lp := s.take_logprob()) is not None:
+                out[sid] = lp
+        return out
 
     def _lead_burst(self, sink: Sink, fresh: int | None) -> None:
         """Decode steps until the sink says last (module docstring). `fresh`: the row that

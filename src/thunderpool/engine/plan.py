@@ -18,6 +18,12 @@ from thunderpool.engine.sampling import SamplingParams
 Op = Literal["step", "park", "stop", "probe", "solo"]
 OPS = ("step", "park", "stop", "probe", "solo")
 _SAMPLING = TypeAdapter(SamplingParams)  # the API's schema, all the way to the rank
+_DEFAULTS = asdict(SamplingParams())
+
+
+def _sampling_json(p: SamplingParams) -> dict:
+    """Only the fields that differ from the defaults: plans stay small as SamplingParams grows."""
+    return {k: v for k, v in asdict(p).items() if v != _DEFAULTS[k]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +65,7 @@ class StepPlan:
             p = self.prefill
             d["pre"] = [p.sid, list(p.tokens), int(p.last)]
             if p.sampling is not None:
-                d["pre"].append(asdict(p.sampling))
+                d["pre"].append(_sampling_json(p.sampling))
         if self.join:
             d["join"] = list(self.join)
         if self.decode:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from thunderpool.engine.logits import TokenLogprob
 from thunderpool.engine.plan import Prefill, StepPlan
 from thunderpool.engine.sampling import SamplingParams
 
@@ -41,6 +42,7 @@ class Emitted:
     completion_tokens: int
     error: str | None = None
     queued_s: float | None = None  # on the first token: from submit to its first prefill plan
+    logprob: TokenLogprob | None = None  # the engine adds it where the request asked
 
 
 class Scheduler:

@@ -105,6 +105,7 @@ class TextEdge:
             return
         timing = self._count(ev)
         tokens = () if ev.token is None else (ev.token,)
+        logprobs = () if ev.logprob is None else (ev.logprob,)
         delta = self.text.add(ev.token) if self.text is not None and tokens else ""
         reason = ev.finish_reason
         if self.text is not None and self.text.stopped:
@@ -112,13 +113,14 @@ class TextEdge:
                 self.cancel(ev.sid)
             reason = "stop"
         if reason is None:
-            self.emit(Delta(delta, tokens=tokens, **timing))
+            self.emit(Delta(delta, tokens=tokens, logprobs=logprobs, **timing))
             return
         self.done = True
         tail = self.text.finish() if self.text is not None else ""
         counts = (ev.prompt_tokens, ev.completion_tokens)
         timing["elapsed_s"] = self.last_at - self.submitted
-        self.emit(Delta(delta + tail, reason, *counts, tokens=tokens, **timing))
+        kw = {"tokens": tokens, "logprobs": logprobs, **timing}
+        self.emit(Delta(delta + tail, reason, *counts, **kw))
 
     def _count(self, ev: Emitted) -> dict[str, float | None]:
         """Counts the token; returns its Delta's timing: queue time and TTFT on the first token,

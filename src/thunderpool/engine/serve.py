@@ -66,6 +66,7 @@ def serve(
         max_batch=task.max_batch,
         max_context=max_context,
         eos=set(tokenizer.eos_token_ids or []),
+        tokenizer=tokenizer,
     )
     counters = Counters()
     loaded_memory = {f"rank{r}_memory_bytes": float(rss) for r, (_, rss) in enumerate(memory)}

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from thunderpool.engine.logits import TokenLogprob
 from thunderpool.engine.sampling import SamplingParams
 
 
@@ -32,6 +33,7 @@ class Delta:
     ttft_s: float | None = None
     gap_s: float | None = None
     elapsed_s: float | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked
 
 
 @dataclass(frozen=True, slots=True)
