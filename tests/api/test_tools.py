@@ -126,12 +126,6 @@ def test_tools_and_results_reach_the_chat_template(engine):
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
-        ({"tool_choice": "required"}, "tool_choice", "constrained decoding"),
-        (
-            {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-            "tool_choice",
-            "constrained decoding",
-        ),
         ({"tool_choice": "sometimes"}, "tool_choice", "'auto', 'none', 'required'"),
         ({"tools": [{"type": "retrieval"}]}, "tools.0", "only tools of type 'function'"),
         (
@@ -170,9 +164,10 @@ def test_a_model_without_a_tool_format_refuses_tools_naming_its_family():
     assert r.status_code == 200 and fake.tokenizer.decode(fake.calls[-1][0]) == (
         "<assistant>\n<tool>42\n<assistant>"
     )
-    # A forced call is refused with tools or without; "none" with tools needs no tool format.
+    # A forced call (constrained decoding, tests/api/test_structured.py) needs tools; "none"
+    # with tools needs no tool format.
     r = chat(TestClient(create_app(fake)), tool_choice="required")
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
     r = chat(TestClient(create_app(fake)), tools=[WEATHER_TOOL], tool_choice="none")
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello world"
     r = chat(TestClient(create_app(fake)), messages=[{"role": "tool", "content": "42"}])

@@ -112,13 +112,8 @@ def forced_tools(req: ChatRequest) -> list[dict] | None:
     """The functions one of which must be called (tool_choice "required" or named), or None
     when the model may answer in text. Other tool uses are refused here."""
     choice, tools = req.tool_choice, req.tools
-    if choice is None or choice == "none":
-        if tools and choice is None:
-            raise bad_request(
-                "tools are supported with tool_choice 'required' or a named function only",
-                param="tool_choice",
-            )
-        return None
+    if choice is None or choice in ("none", "auto"):
+        return None  # "auto": the family's tool parser reads the calls (openai_chat.py)
     functions = [_function(t, i) for i, t in enumerate(tools or [])]
     if not functions:
         raise bad_request(f"tool_choice={choice!r} needs a non-empty 'tools'", param="tools")
