@@ -33,7 +33,7 @@ def sampling_extras(req: ChatRequest | CompletionRequest, vocab: int | None = No
         if req.logprobs:
             out["logprobs"] = True
             out["top_logprobs"] = req.top_logprobs or 0
-    elif req.logprobs is not None:
+    elif isinstance(req, CompletionRequest) and req.logprobs is not None:
         if not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise bad_request(
                 f"logprobs={req.logprobs} must be in [0, {MAX_COMPLETION_LOGPROBS}]",
