@@ -82,6 +82,17 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
         help="seconds of silence from the ranks before all are stopped (default 600)",
     )
     add_allow_untested(p)
+    add_no_compile(p)
+
+
+def add_no_compile(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="decode op by op, without the compiled step (on by default where it is proven "
+        "equal: llama, qwen2/3, qwen3_moe, mistral; not PP)",
+    )
 
 
 def add_allow_untested(p: argparse.ArgumentParser) -> None:
@@ -259,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _cluster_args(bench)
     add_allow_untested(bench)
+    add_no_compile(bench)
     return parser
 
 

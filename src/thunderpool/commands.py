@@ -67,6 +67,7 @@ def generate(args: argparse.Namespace) -> int:
             world_size=world,
             task=task,
             prefill_chunk=args.prefill_chunk,
+            compile=args.compile,
             **layout,
         )
 
@@ -217,6 +218,7 @@ def bench(args: argparse.Namespace) -> int:
         backend=backend,
         timeout=args.timeout,
         tp_weights=args.tp_weights,
+        compile=args.compile,
     )
     return 0
 

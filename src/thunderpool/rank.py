@@ -37,7 +37,7 @@ def run(job: RankJob) -> None:
         group = mx.distributed.init()
     if group.size() != job.world_size:
         raise ThunderpoolError(f"MLX formed a group of {group.size()}, expected {job.world_size}")
-    layout = Layout(job.parallel, job.tp_weights, job.layer_split)
+    layout = Layout(job.parallel, job.tp_weights, job.layer_split, job.compile)
     progress = load_progress(group.rank())
     match job.task:
         case ServeTask() as task:

@@ -65,4 +65,5 @@ class RankJob(_Frozen):
     tp_weights: tuple[float, ...] | None = None
     layer_split: tuple[int, ...] | None = None
     prefill_chunk: int = Field(512, ge=1)
+    compile: bool = True  # compiled decode steps where proven equal (engine/compiled.py)
     task: Task

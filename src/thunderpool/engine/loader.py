@@ -35,6 +35,7 @@ class Layout:
     parallel: str = "tp"  # "tp" or "pp"; ignored on one rank
     tp_weights: tuple[float, ...] | None = None
     layer_split: tuple[int, ...] | None = None
+    compile: bool = True  # compiled decode steps where proven equal (engine/compiled.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +221,7 @@ def load_shard(
         layers=bounds,
         method=method,
     )
-    return Runner(model, group, stage), config, stats
+    return Runner(model, group, stage, layout.compile), config, stats
 
 
 def preflight(model_dir: Path, world_size: int, layout: Layout) -> dict:
