@@ -305,7 +305,8 @@ def model_spec_from_config(
         parts.append((attn, attn + mlp + norms))
         routed.append(experts_b)
         moe_layer = bool(experts_b)
-        routed_active.append(top_k * 3 * hidden * config.get("moe_intermediate_size", 0) * moe_layer)
+        expert_i = config.get("moe_intermediate_size", 0)
+        routed_active.append(top_k * 3 * hidden * expert_i * moe_layer)
         # DeepSeek-V4's indexer runs on its compress-ratio-4 layers only.
         indexer = (ratios[i] == 4 if i < len(ratios) else False) if family == "v4" else True
         indexer = indexer and bool(config.get("index_n_heads"))
