@@ -91,7 +91,7 @@ def add_no_compile(p: argparse.ArgumentParser) -> None:
         dest="compile",
         action="store_false",
         help="decode op by op, without the compiled step (on by default where it is proven "
-        "equal: llama, qwen2/3, qwen3_moe, mistral; not PP)",
+        "equal: llama, qwen2, qwen3, qwen3_moe; not PP)",
     )
 
 

@@ -28,7 +28,8 @@ from thunderpool.engine.loader import Layout, load_shard
 from thunderpool.engine.runner import Runner
 
 TOL = 1e-5
-PROVEN = ("llama", "qwen3", "qwen3_moe")
+PROVEN = ("llama", "qwen2", "qwen3", "qwen3_moe")
+TP2 = ("llama", "qwen3", "qwen3_moe")  # qwen3: uneven KV heads (3 on 2 ranks)
 STEPS = sum(steps for _, _, steps in PHASES)
 
 
@@ -66,9 +67,9 @@ def test_no_compile_and_pipeline_stages_stay_eager(family_dirs):
 
 @pytest.mark.slow
 def test_tp2_compiled_equals_eager(family_dirs, tmp_path):
-    spec = {"parallel": "tp", "models": {k: str(family_dirs[k]) for k in PROVEN}}
+    spec = {"parallel": "tp", "models": {k: str(family_dirs[k]) for k in TP2}}
     results = _run_ranks(spec, 2, tmp_path)
-    for kind in PROVEN:
+    for kind in TP2:
         check(results[kind], True)
 
 

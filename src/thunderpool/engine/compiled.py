@@ -23,7 +23,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 # Families whose attention reads the cache only through offset, update_and_fetch and
 # make_mask (the contract _StepCache keeps), proven equal by the tests.
-COMPILED_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "mistral"})
+COMPILED_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
 STEP = 256  # buffer capacity grows in these steps, so a batch shape retraces rarely
 
 
