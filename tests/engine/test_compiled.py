@@ -103,3 +103,13 @@ def _run_ranks(spec: dict, nodes: int, tmp: Path, timeout: float = 300.0) -> dic
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     return json.loads(out_file.read_text())
+
+
+def test_compiled_step_dispatches_fewer_kernels(family_dirs):
+    from thunderpool.bench.graph_ops import decode_step_ops
+
+    runner, _, _ = load_shard(family_dirs["llama"], mx.distributed.init(), Layout())
+    eager, comp = decode_step_ops(runner, False), decode_step_ops(runner, True)
+    # The same matmuls either way; the elementwise chains around them fuse.
+    assert comp["by_op"]["Matmul"] == eager["by_op"]["Matmul"] > 0
+    assert comp["fused"] > eager["fused"] and comp["kernels"] < eager["kernels"]
