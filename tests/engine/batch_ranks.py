@@ -118,7 +118,10 @@ def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     group = mx.distributed.init(backend="ring", strict=True)
     model = Path(spec["model"])
-    runner, config, _ = load_shard(model, group, Layout(spec.get("parallel", "tp")))
+    # Counting wraps mx.distributed's Python calls, which a compiled step makes only while
+    # it traces: counted runs decode eagerly (the graph holds the same collectives).
+    layout = Layout(spec.get("parallel", "tp"), compile=not spec.get("count"))
+    runner, config, _ = load_shard(model, group, layout)
     control = Control(group)
     if group.rank() != 0:
         if spec.get("pipeline") is not None:
