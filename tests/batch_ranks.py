@@ -121,7 +121,14 @@ def main(spec_path: str, out_path: str) -> None:
     model = Path(spec["model"])
     split = tuple(spec["layer_split"]) if spec.get("layer_split") else None
     experts = tuple(spec["expert_split"]) if spec.get("expert_split") else None
-    layout = Layout(spec.get("parallel", "tp"), layer_split=split, expert_split=experts)
+    # Counting wraps mx.distributed's Python calls, which a compiled step makes only while
+    # it traces: counted runs decode eagerly (the graph holds the same collectives).
+    layout = Layout(
+        spec.get("parallel", "tp"),
+        layer_split=split,
+        expert_split=experts,
+        compile=not spec.get("count"),
+    )
     runner, config, _ = load_shard(model, group, layout)
     control = Control(group)
     if group.rank() != 0:

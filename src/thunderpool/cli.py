@@ -88,6 +88,17 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
         help="seconds of silence from the ranks before all are stopped (default 600)",
     )
     add_allow_untested(p)
+    add_no_compile(p)
+
+
+def add_no_compile(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="decode op by op, without the compiled step (on by default where it is proven "
+        "equal: llama, qwen2, qwen3, qwen3_moe; not PP)",
+    )
 
 
 def add_allow_untested(p: argparse.ArgumentParser) -> None:
@@ -285,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _cluster_args(bench)
     add_allow_untested(bench)
+    add_no_compile(bench)
     return parser
 
 

@@ -68,6 +68,7 @@ def generate(args: argparse.Namespace) -> int:
             world_size=world,
             task=task,
             prefill_chunk=args.prefill_chunk,
+            compile=args.compile,
             **layout,
         )
 
@@ -235,6 +236,7 @@ def bench(args: argparse.Namespace) -> int:
         backend=backend,
         timeout=args.timeout,
         tp_weights=args.tp_weights,
+        compile=args.compile,
     )
     return 0
 

@@ -180,3 +180,88 @@ def test_short_weight_rows_stream_at_the_measured_short_row_rate(hidden, rate):
     short = NodeSpec("a", 64 * GiB, 60 * GiB, 100e9, 1e15, short_row_mem_bw_Bps=50e9)
     slow = predict(spec, stage, {"a": short}, [], prompt_tokens=16)
     assert slow.breakdown.memory_s == pytest.approx(plain.breakdown.memory_s / rate, rel=1e-12)
+
+
+# --- the fixed cost counted in kernels (planner/dispatch.py) and MoE prefill ---------------
+
+QWEN3_MOE = {
+    **CONFIG,
+    "model_type": "qwen3_moe",
+    "head_dim": 64,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 128,
+}
+GLM = {
+    **CONFIG,
+    "model_type": "glm_moe_dsa",
+    "q_lora_rank": 128,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 128,
+    "first_k_dense_replace": 1,
+    "index_n_heads": 4,
+    "index_head_dim": 32,
+}
+
+
+def test_dispatch_counts_every_kernel_of_a_layer_in_llama_matmul_units():
+    from thunderpool.planner import dispatch as d
+
+    unit = d.REFERENCE_MATMULS / d.REFERENCE_KERNELS
+    # A plain llama layer is the unit itself: its 7 matmuls.
+    assert model_spec_from_config(CONFIG).dispatches_per_layer == pytest.approx((7.0,) * 8)
+    wrap = 2 * d.BLOCK_WRAP
+    moe = (wrap + d.GQA + d.QK_NORM + d.QWEN_ROUTER + d.EXPERTS) * unit
+    assert model_spec_from_config(QWEN3_MOE).dispatches_per_layer == pytest.approx((moe,) * 8)
+    # MLA: its 6 matmuls + the indexer's 3, unfused attention, the indexer's other kernels.
+    mla = 6 + 3 + d.MLA_FIXED + d.UNFUSED_ATTENTION + d.INDEXER - 3
+    dense = (wrap + mla + d.GLU) * unit
+    routed = (wrap + mla + d.DEEPSEEK_ROUTER + d.EXPERTS + d.GLU + d.SHARED_ADD) * unit
+    spec = model_spec_from_config(GLM)
+    assert spec.matmuls_per_layer[:2] == (12, 16)  # 9 attention + GLU; + router, experts, shared
+    assert spec.dispatches_per_layer == pytest.approx((dense,) + (routed,) * 7)
+
+
+def test_dispatch_time_is_kernels_times_latency_and_compiled_scales_it():
+    from thunderpool.planner.cost import COMPILED_DISPATCH
+
+    spec = model_spec_from_config(QWEN3_MOE)
+    nodes = {"a": NodeSpec("a", 64 * GiB, 60 * GiB, 100e9, 1e15, op_latency_s=10e-6)}
+    stage = [Stage(("a",), (0, 8), (1.0,))]
+    eager = predict(spec, stage, nodes, [], prompt_tokens=16)
+    compiled = predict(spec, stage, nodes, [], prompt_tokens=16, compiled=True)
+    assert eager.breakdown.dispatch_s == pytest.approx(
+        (sum(spec.dispatches_per_layer) + 1) * 10e-6, rel=1e-12
+    )
+    assert compiled.breakdown.dispatch_s == pytest.approx(
+        COMPILED_DISPATCH * eager.breakdown.dispatch_s, rel=1e-12
+    )
+    assert compiled.breakdown.memory_s == eager.breakdown.memory_s
+
+
+@pytest.mark.parametrize("prompt", [256, 4096])
+def test_moe_prefill_runs_expert_matmuls_at_their_rows_efficiency(prompt):
+    from dataclasses import replace
+
+    from thunderpool.planner import cost
+
+    spec = model_spec_from_config(QWEN3_MOE)
+    nodes = {"a": node("a", bw=1e15, flops=1e12)}  # compute-bound prefill
+    stage = [Stage(("a",), (0, 8), (1.0,))]
+    slow = predict(spec, stage, nodes, [], prompt_tokens=prompt)
+    plain = predict(replace(spec, routed_active_per_layer=()), stage, nodes, [], prompt)
+    chunk = min(prompt, cost.PREFILL_CHUNK)
+    m, h = chunk * 4 / 16, cost.EXPERT_ROWS_HALF
+    eff = (m / (m + h)) / (chunk / (chunk + h))
+    assert cost.expert_efficiency(spec, prompt) == pytest.approx(eff, rel=1e-12)
+    experts = 2 * prompt * 8 * (4 * 3 * 512 * 128)  # tokens x layers x routed params
+    extra = experts * (1 / eff - 1) / 1e12
+    assert slow.ttft_s - plain.ttft_s == pytest.approx(extra, rel=1e-9)
+    dense = model_spec_from_config(CONFIG)
+    assert cost.expert_efficiency(dense, prompt) == 1.0

@@ -63,12 +63,18 @@ def count_decode_step(engine, prompt: list[int]) -> dict:
     the calls between the second and the third token are exactly one step's graph.
     """
     marks: list[tuple[dict, int]] = []
-    with counting_collectives() as counts:
+    # A compiled step calls mx.distributed only while tracing; its graph holds the same
+    # collectives, so they are counted on the eager step.
+    compiled, engine.runner.compiled = engine.runner.compiled, None
+    try:
+        with counting_collectives() as counts:
 
-        def on_event(ev) -> None:
-            marks.append((dict(counts), engine.control.collectives))
+            def on_event(ev) -> None:
+                marks.append((dict(counts), engine.control.collectives))
 
-        engine.generate(prompt, SamplingParams(max_tokens=8), on_event)
+            engine.generate(prompt, SamplingParams(max_tokens=8), on_event)
+    finally:
+        engine.runner.compiled = compiled
     (before, c_before), (after, c_after) = marks[1], marks[2]
     by_op = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
     total = sum(by_op.values())

@@ -202,7 +202,9 @@ def step_breakdown(
 # --- one rank, in process: our engine against mlx-lm ----------------------------------------
 
 
-def bench_single(model_dir: Path, prompt_tokens: int, max_tokens: int, repeats: int) -> dict:
+def bench_single(
+    model_dir: Path, prompt_tokens: int, max_tokens: int, repeats: int, compile: bool = True
+) -> dict:
     """Our engine and mlx-lm's generate_step on the same model and prompt, alternated (ABAB)."""
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model
@@ -211,7 +213,7 @@ def bench_single(model_dir: Path, prompt_tokens: int, max_tokens: int, repeats: 
     from thunderpool.engine.loader import Layout, load_shard
 
     group = mx.distributed.init()
-    runner, _, _ = load_shard(Path(model_dir), group, Layout())
+    runner, _, _ = load_shard(Path(model_dir), group, Layout(compile=compile))
     engine = Engine(runner, Control(group), max_context=1 << 62)
     # mlx_lm.load minus the tokenizer, which tiny test checkpoints do not have.
     ref, _ = load_model(Path(model_dir))

@@ -27,6 +27,7 @@ def bench_parallel(
     concurrency: tuple[int, ...] = (),
     backend: str = "ring",
     tp_weights: tuple[float, ...] | None = None,
+    compile: bool = True,
 ) -> dict:
     """Run a BenchTask on `nodes` local ranks; the leader's results plus per-rank memory.
 
@@ -46,6 +47,7 @@ def bench_parallel(
         task=task,
         backend="mpi" if backend == "mpi" and nodes > 1 else "ring",
         tp_weights=tp_weights if parallel in ("tp", "ep") and nodes > 1 else None,
+        compile=compile,
     )
     from thunderpool.cluster.mpi import local_instance
 
@@ -91,6 +93,7 @@ def run_bench(
     backend: str = "ring",
     timeout: float = 600.0,
     tp_weights: tuple[float, ...] | None = None,
+    compile: bool = True,
 ) -> dict:
     """One rank against mlx-lm, then each mode at each node count; prints tables, writes
     JSON and plots (to `json_out` and/or `out_dir`)."""
@@ -101,7 +104,7 @@ def run_bench(
     console = console or Console()
     counts = (nodes,) if isinstance(nodes, int) else tuple(nodes)
     with console.status("one rank: thunderpool vs mlx-lm"):
-        single = bench_single(model_dir, prompt_tokens, max_tokens, repeats)
+        single = bench_single(model_dir, prompt_tokens, max_tokens, repeats, compile)
     results: dict = {
         "model": str(model_dir),
         "nodes": list(counts),
@@ -112,7 +115,7 @@ def run_bench(
     args = (prompt_tokens, max_tokens, repeats, timeout)
     if pin:
         with console.status("1 rank pinned to one core"):
-            results["pinned"] = bench_parallel(model_dir, 1, "tp", *args, pin=True)
+            results["pinned"] = bench_parallel(model_dir, 1, "tp", *args, pin=True, compile=compile)
     parallel: dict[str, dict] = {}
     for n in counts:
         for mode in modes:
@@ -126,6 +129,7 @@ def run_bench(
                         pin=True if pin else None,
                         backend=backend,
                         tp_weights=tp_weights,
+                        compile=compile,
                     )
                 except ThunderpoolError as e:
                     # One layout that cannot run (e.g. more ranks than layers) should not hide

@@ -48,7 +48,7 @@ class BatchState:
     def decode(self, tokens: mx.array) -> mx.array | None:
         """One decode step of every row on tokens (B,), lazily (a burst step feeds the
         exchanged tokens, so the forward waits on the exchange on every rank)."""
-        return self.runner.forward(tokens[:, None], self.batch)
+        return self.runner.decode(tokens[:, None], self.batch)
 
     def drop(self, drop: set[int]) -> list[int] | None:
         """Frees the rows and prefills in `drop`; returns the kept rows' indices (None: no row

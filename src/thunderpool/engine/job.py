@@ -66,4 +66,5 @@ class RankJob(_Frozen):
     layer_split: tuple[int, ...] | None = None
     expert_split: tuple[int, ...] | None = None  # EP: routed experts per rank
     prefill_chunk: int = Field(512, ge=1)
+    compile: bool = True  # compiled decode steps where proven equal (engine/compiled.py)
     task: Task

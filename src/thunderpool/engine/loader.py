@@ -36,6 +36,7 @@ class Layout:
     tp_weights: tuple[float, ...] | None = None
     layer_split: tuple[int, ...] | None = None
     expert_split: tuple[int, ...] | None = None  # EP: routed experts per rank (default: weights)
+    compile: bool = True  # compiled decode steps where proven equal (engine/compiled.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +250,9 @@ def load_shard(
         method=method,
         experts=(share.e0, share.e1) if share is not None else None,
     )
-    return Runner(model, group, stage), config, stats
+    # EP reads each MoE layer's routes on the host, which a traced graph cannot.
+    compiled = layout.compile and layout.parallel != "ep"
+    return Runner(model, group, stage, compiled), config, stats
 
 
 def preflight(model_dir: Path, world_size: int, layout: Layout) -> dict:

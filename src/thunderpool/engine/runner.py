@@ -6,6 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from thunderpool.engine import compiled
 from thunderpool.parallel.pipeline import PipelineStage
 from thunderpool.parallel.vocab import has_split_head
 
@@ -14,12 +15,23 @@ class Runner:
     """Runs the local part of the model; the leader (rank 0) gets the last position's logits
     (and so does every TP rank, through the split output head's all_gather)."""
 
-    def __init__(self, model: nn.Module, group: mx.distributed.Group, stage: PipelineStage | None):
+    def __init__(
+        self,
+        model: nn.Module,
+        group: mx.distributed.Group,
+        stage: PipelineStage | None,
+        compile: bool = True,
+    ):
         self.model, self.group, self.stage = model, group, stage
         self.rank, self.size = group.rank(), group.size()
         self.is_leader = self.rank == 0
         # TP ranks each project onto their part of the vocabulary, then all_gather the logits.
         self.every_rank_projects = stage is None and has_split_head(model)
+        # Decode steps replay one compiled graph where that is proven equal (engine/compiled.py).
+        self.compiled = None
+        if compile and stage is None and compiled.supports(model):
+            body = lambda tokens, cache: self._finish(self.model.model(tokens, cache=cache))  # noqa: E731
+            self.compiled = compiled.CompiledDecode(model, body)
 
     def make_cache(self) -> list:
         return make_prompt_cache(self.model)
@@ -27,9 +39,20 @@ class Runner:
     def forward(self, tokens: mx.array, cache: list) -> mx.array | None:
         """tokens (B, L) -> logits (B, V) on the leader; on followers, what must be evaluated."""
         if self.stage is not None:
-            h = self.stage.forward(tokens, cache)
-        else:
-            h = self.model.model(tokens, cache=cache)[:, -1:, :]
+            return self._finish(self.stage.forward(tokens, cache))
+        return self._finish(self.model.model(tokens, cache=cache))
+
+    def decode(self, tokens: mx.array, cache: list) -> mx.array | None:
+        """One step of tokens (B, 1): `forward`, compiled where the model and cache allow."""
+        if self.compiled is not None and compiled.eligible(cache):
+            return self.compiled.decode(tokens, cache)
+        return self.forward(tokens, cache)
+
+    def _finish(self, h: mx.array | None) -> mx.array | None:
+        """The last position's logits on ranks that project; h (or None) elsewhere."""
+        if h is None:
+            return None
+        h = h[:, -1:, :]
         if not (self.is_leader or self.every_rank_projects):
             return h  # TP followers evaluate the same all_sums as the leader; PP ones get None
         return self.project(h)[:, -1, :]

@@ -31,6 +31,15 @@ CONTROL_BYTES = 512  # engine/control.py's header: one per decode step on >1 ran
 # Unfused attention (head widths MLX's fused decode kernel lacks, e.g. MLA's 576) writes and
 # reads 2-byte scores per head per cached token ~8 times: QK, mask, softmax, PV.
 SCORE_BYTES = 16
+# Prefill runs in chunks of PREFILL_CHUNK tokens (mlx-lm's prefill_step_size, which every
+# published prefill figure used); a routed expert sees chunk x k / E of them, and a matmul
+# over m rows reaches m / (m + EXPERT_ROWS_HALF) of the rate dense matmuls over a whole chunk
+# reach (flops_efficiency). Fitted on mlx-lm's Qwen3-30B-A3B prefill ladder (docs/simulator.md).
+PREFILL_CHUNK = 2048
+EXPERT_ROWS_HALF = 52.0
+# Kernels a compiled decode step dispatches per eager one (engine/compiled.py: 1239 of 1929
+# on the embedded SmolLM2, MLX's CPU backend, measured by counting graph nodes).
+COMPILED_DISPATCH = 1239 / 1929
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,8 +241,10 @@ def predict(
     concurrency: int = 1,
     kv_dtype_bytes: float = 2.0,
     act_bytes: float = 2.0,
+    compiled: bool = False,
 ) -> Prediction:
-    """Predict a layout's speed; decode is measured right after a `prompt_tokens` prompt."""
+    """Predict a layout's speed; decode is measured right after a `prompt_tokens` prompt.
+    `compiled`: decode steps replay a compiled graph (fewer kernels: COMPILED_DISPATCH)."""
     batch, hidden = concurrency, spec.hidden
     compute = memory = collective = dispatch = 0.0
     n_coll = 0
@@ -257,7 +268,7 @@ def predict(
         mem_s, flop_s, disp_s = max(times, key=lambda t: max(t[:2]) + t[2])
         memory += mem_s if mem_s >= flop_s else 0.0
         compute += flop_s if flop_s > mem_s else 0.0
-        dispatch += disp_s
+        dispatch += disp_s * (COMPILED_DISPATCH if compiled else 1.0)
         # Prefill: one prompt, compute-bound; attention covers half the square on average.
         prefill += max(
             max(
@@ -397,9 +408,10 @@ def _flops(spec: ModelSpec, stage: Stage, share: Share, head: float, kv_len: flo
     return 2 * params + attn * share.q + 2 * spec.vocab * spec.hidden * head
 
 
-def _matmuls(spec: ModelSpec, stage: Stage, head: float) -> int:
-    """Weight matmuls a decode step runs on a rank of this stage (+1 for the output head)."""
-    per_layer = spec.matmuls_per_layer
+def _matmuls(spec: ModelSpec, stage: Stage, head: float) -> float:
+    """A decode step's kernels on a rank of this stage, in llama-matmul units (planner/
+    dispatch.py; +1 for the output head): what op_latency_s is paid per."""
+    per_layer = spec.dispatches_per_layer or spec.matmuls_per_layer
     return sum(per_layer[i] for i in range(*stage.layers)) + (head > 0) if per_layer else 0
 
 
@@ -416,10 +428,24 @@ def _rank_time(spec, stage, share, node, head, batch, kv_len, kv_dtype_bytes):
 
 
 def _prefill_time(spec, stage, share, node, head, tokens):
-    """(memory seconds, compute seconds) of a `tokens`-long prompt on one rank."""
+    """(memory seconds, compute seconds) of a `tokens`-long prompt on one rank; the routed
+    experts' FLOPs run at expert_efficiency."""
     nbytes = read_bytes(spec, stage, share, head, tokens)
     flops = tokens * _flops(spec, stage, share, head, tokens / 2)
-    return nbytes / node.mem_bw_Bps, flops / node.flops
+    routed = spec.routed_active_per_layer
+    experts = 2 * tokens * share.mlp * sum(routed[i] for i in range(*stage.layers)) if routed else 0
+    slow = experts / expert_efficiency(spec, tokens) - experts
+    return nbytes / node.mem_bw_Bps, (flops + slow) / node.flops
+
+
+def expert_efficiency(spec: ModelSpec, tokens: int) -> float:
+    """The rate of a routed expert's prefill matmul against a dense one over the whole chunk:
+    each expert sees m = chunk x k / E rows (see EXPERT_ROWS_HALF)."""
+    if not spec.experts or EXPERT_ROWS_HALF <= 0:
+        return 1.0
+    chunk = min(tokens, PREFILL_CHUNK)
+    m = chunk * spec.experts_per_tok / spec.experts
+    return (m / (m + EXPERT_ROWS_HALF)) / (chunk / (chunk + EXPERT_ROWS_HALF))
 
 
 def _slowest(links: list[LinkSpec], group: tuple[str, ...], nbytes: float) -> LinkSpec:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from thunderpool.errors import ModelError
+from thunderpool.planner import dispatch
 from thunderpool.planner.layers import (
     Part,
     experts_of,
@@ -95,6 +96,9 @@ class ModelSpec:
     params: int
     active_params: int  # per token: the layers' active parameters plus the output head
     matmuls_per_layer: tuple[int, ...] = ()  # weight matmuls per decode token (dispatch cost)
+    # Kernels per decode token in llama-matmul units (planner/dispatch.py); () -> matmuls.
+    dispatches_per_layer: tuple[float, ...] = ()
+    routed_active_per_layer: tuple[int, ...] = ()  # routed experts' params one token uses
     attn_dim: int = 0  # FLOPs / 2 per head per attended cached token (2 x head_dim for GQA)
     attn_fused: bool = True  # MLX's fused decode kernel takes this head width (64..256)
     sliding_window: int = 0  # deepseek_v4: tokens every layer attends to uncompressed
@@ -279,8 +283,9 @@ def model_spec_from_config(
 
     dense_i = config.get("intermediate_size", 0)
     n_experts, top_k = experts_of(config)
-    parts, routed = [], []
+    parts, routed, kernels, routed_active = [], [], [], []
     widest = dense_i
+    attn_fused = family == "v4" or (family != "mla" and head_dim in _FUSED_HEAD_DIMS)
     for i in range(n_layers):
         at = f"model.layers.{i}."
         if family == "mla":
@@ -299,6 +304,17 @@ def model_spec_from_config(
             mlp, experts_b = glu(w, hidden, dense_i, at + "mlp.", config.get("mlp_bias", False)), 0
         parts.append((attn, attn + mlp + norms))
         routed.append(experts_b)
+        moe_layer = bool(experts_b)
+        expert_i = config.get("moe_intermediate_size", 0)
+        routed_active.append(top_k * 3 * hidden * expert_i * moe_layer)
+        # DeepSeek-V4's indexer runs on its compress-ratio-4 layers only.
+        indexer = (ratios[i] == 4 if i < len(ratios) else False) if family == "v4" else True
+        indexer = indexer and bool(config.get("index_n_heads"))
+        shared = family != "qwen" and bool(config.get("n_shared_experts"))
+        count = dispatch.BLOCK_WRAP * 2
+        count += dispatch.attention_kernels(family, model_type, attn.matmuls, attn_fused, indexer)
+        count += dispatch.mlp_kernels(family, moe_layer, shared)
+        kernels.append(dispatch.matmul_equivalents(count))
 
     tied = config.get("tie_word_embeddings", _TIED_DEFAULT.get(model_type, False))
     embed_b = w.matrix(vocab, hidden, "model.embed_tokens")
@@ -334,8 +350,10 @@ def model_spec_from_config(
         params=params,
         active_params=active,
         matmuls_per_layer=tuple(p.matmuls for _, p in parts),
+        dispatches_per_layer=tuple(kernels),
+        routed_active_per_layer=tuple(routed_active),
         attn_dim=attn_dim,
-        attn_fused=family == "v4" or (family != "mla" and head_dim in _FUSED_HEAD_DIMS),
+        attn_fused=attn_fused,
         sliding_window=(config.get("sliding_window") or 0) if family == "v4" else 0,
         compress_ratios=ratios,
         index_topk=config.get("index_topk", 0) if family == "v4" else 0,

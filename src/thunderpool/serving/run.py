@@ -110,6 +110,7 @@ def _local(args, backend: str, model_dir: Path, name: str, max_context: int, tok
         layer_split=args.layer_split,
         expert_split=expert_split,
         prefill_chunk=args.prefill_chunk,
+        compile=args.compile,
         task=ServeTask(model_name=name, max_batch=args.max_batch, max_context=max_context),
         backend=backend,
     )
@@ -128,6 +129,7 @@ def _cluster(args, name: str, max_context: int, console: Console):
             model_dir=args.model or "",
             world_size=world,
             prefill_chunk=args.prefill_chunk,
+            compile=args.compile,
             task=ServeTask(
                 link_host="0.0.0.0",
                 model_name=name,

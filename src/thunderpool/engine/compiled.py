@@ -1,0 +1,117 @@
+"""A compiled decode step: `mx.compile` traces the whole one-token forward of a batch once per
+shape, so each later token replays a fused graph instead of rebuilding it op by op in Python.
+
+mlx-lm does not compile its models because its caches keep Python state (int offsets,
+buffers that grow and are sliced to the offset), which a traced graph would freeze. Here the
+step is functional: it takes each layer's preallocated key/value buffers, the write index
+and the rows' left padding as arrays and returns the new buffers; the mlx-lm cache objects
+stay the source of truth between steps, so prefill, join and drop are unchanged. TP's
+all_sums are traced into the graph like any other op. PP stages are not compiled (their
+send/recv and hand-off run outside any graph).
+
+Only families whose compiled step is proven equal to the eager one (tests/engine/
+test_compiled.py) compile; any other decodes eagerly, never approximately.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+# Families whose attention reads the cache only through offset, update_and_fetch and
+# make_mask (the contract _StepCache keeps), proven equal by the tests.
+COMPILED_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
+STEP = 256  # buffer capacity grows in these steps, so a batch shape retraces rarely
+
+
+def supports(model: nn.Module) -> bool:
+    """Whether this model's decode step may be compiled."""
+    return getattr(getattr(model, "args", None), "model_type", None) in COMPILED_FAMILIES
+
+
+class _StepCache:
+    """What an mlx-lm attention layer asks of its cache during one traced decode step."""
+
+    def __init__(self, keys: mx.array, values: mx.array, idx: mx.array, left: mx.array):
+        self.keys, self.values, self.idx, self.left = keys, values, idx, left
+        self.offset = idx - left  # (B,) each row's position, for RoPE
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.keys = mx.slice_update(self.keys, keys, self.idx, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.idx, axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        # The written positions of each row: past its left padding, up to the new token.
+        pos = mx.arange(self.keys.shape[2])
+        mask = (pos[None] >= self.left[:, None]) & (pos[None] <= self.idx + N - 1)
+        if window_size is not None:
+            mask = mask & (pos[None] > self.idx + N - 1 - window_size)
+        return mask[:, None, None, :]  # (B, 1, 1, capacity)
+
+
+def _position(cache) -> tuple[int, mx.array]:
+    """The write index and the rows' left padding of an mlx-lm cache."""
+    if isinstance(cache, BatchKVCache):
+        return cache._idx, cache.left_padding
+    return cache.offset, mx.zeros((cache.keys.shape[0],), mx.int32)
+
+
+def _reserve(cache, need: int) -> None:
+    """Grows the buffers to a multiple of STEP holding `need` positions."""
+    cap = cache.keys.shape[2]
+    if cap >= need and cap % STEP == 0:
+        return
+    size = -(-need // STEP) * STEP
+    pad = [(0, 0), (0, 0), (0, size - cap), (0, 0)]
+    if cap > size:  # filter() may leave more than a step past the index
+        cache.keys, cache.values = cache.keys[..., :size, :], cache.values[..., :size, :]
+    else:
+        cache.keys, cache.values = mx.pad(cache.keys, pad), mx.pad(cache.values, pad)
+
+
+def eligible(cache: list) -> bool:
+    """Plain (batch) KV caches with buffers: the ones _StepCache stands in for."""
+    return all(
+        type(c) in (KVCache, BatchKVCache) and c.keys is not None and c.keys.ndim == 4
+        for c in cache
+    )
+
+
+class CompiledDecode:
+    """`decode(tokens (B, 1), cache)`: the forward of `body` on a one-token step, compiled."""
+
+    def __init__(self, model: nn.Module, body: Callable[[mx.array, list], mx.array]):
+        self.model = model
+
+        def step(tokens, idx, left, *buffers):
+            n = len(buffers) // 2
+            cache = [_StepCache(buffers[i], buffers[n + i], idx, left) for i in range(n)]
+            out = body(tokens, cache)
+            return (out, *[c.keys for c in cache], *[c.values for c in cache])
+
+        self._step = mx.compile(step)
+        self.steps = 0  # compiled steps run (tests and benchmarks read it)
+
+    def decode(self, tokens: mx.array, cache: list) -> mx.array:
+        idx, left = _position(cache[0])
+        for c in cache:
+            _reserve(c, idx + 1)
+        keys, values = [c.keys for c in cache], [c.values for c in cache]
+        for c in cache:  # only the graph holds the old buffers: updated in place
+            c.keys = c.values = None
+        self.steps += 1
+        out, *buffers = self._step(tokens, mx.array([idx], mx.int32), left, *keys, *values)
+        del keys, values
+        n = len(cache)
+        for i, c in enumerate(cache):
+            c.keys, c.values = buffers[i], buffers[n + i]
+            if isinstance(c, BatchKVCache):
+                c._idx += 1
+                c.offset = c.offset + 1
+            else:
+                c.offset += 1
+        return out

@@ -1,0 +1,70 @@
+"""Compiled against eager decode of the same batch scenario, alike on every rank.
+
+Each rank runs the scenario twice (eager, then compiled) on the runner directly, so TP's
+all_sums line up without the engine's protocol: a row prefills and decodes alone, a second
+row of another length joins (a left-padded batch), then the first leaves. Inputs are fixed
+tokens (teacher forcing), so every step compares the same logits. Multi-rank:
+`python compiled_ranks.py SPEC.json OUT.json` under MLX_RANK/MLX_HOSTFILE (ring).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from thunderpool.engine.batch import BatchState
+from thunderpool.engine.loader import Layout, load_shard
+from thunderpool.engine.runner import Runner
+
+PROMPTS = ([3, 17, 42, 9, 100, 7, 250], [5, 8, 13, 21, 34, 55, 89, 144, 233, 1, 2, 3, 4])
+# (sequence ids joining before the steps, ids dropping before them, decode steps)
+PHASES = (((0,), (), 3), ((1,), (), 4), ((), (0,), 3))
+
+
+def scenario(runner: Runner, compiled: bool) -> dict:
+    """Last-position logits (B, V) of every decode step on the leader (fp32 lists)."""
+    saved = runner.compiled
+    runner.compiled = saved if compiled else None
+    state, logits, feed = BatchState(runner), [], 0
+    before = saved.steps if saved is not None else 0
+    try:
+        for join, drop, steps in PHASES:
+            state.drop(set(drop))
+            for sid in join:
+                out = state.prefill(sid, PROMPTS[sid])
+                mx.eval(out)
+                state.join(sid)
+            for _ in range(steps):
+                feed += 1
+                tokens = mx.array([(feed * 31 + sid * 7) % 200 for sid in state.rows])
+                out = state.decode(tokens)
+                mx.eval(out)
+                if runner.is_leader:
+                    logits.append(np.array(out.astype(mx.float32)).tolist())
+    finally:
+        runner.compiled = saved
+    used = (saved.steps - before) if saved is not None else 0
+    return {"logits": logits, "compiled_steps": used}
+
+
+def compare(runner: Runner) -> dict:
+    return {"eager": scenario(runner, False), "compiled": scenario(runner, True)}
+
+
+def main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    group = mx.distributed.init(backend="ring", strict=True)
+    results = {}
+    for name, model in spec["models"].items():
+        runner, _, _ = load_shard(Path(model), group, Layout(spec["parallel"]))
+        results[name] = compare(runner)
+    if group.rank() == 0:
+        Path(out_path).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
