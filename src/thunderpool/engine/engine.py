@@ -42,9 +42,11 @@ class Engine:
         max_context: int = 4096,
         eos: set[int] | frozenset[int] = frozenset(),
         pipeline: bool | None = None,
+        drafter=None,
     ):
         self.runner, self.control = runner, control
-        self.executor = Executor(runner, control, pipeline)
+        # drafter: speculate.Drafter on the leader, for speculative decoding (or None).
+        self.executor = Executor(runner, control, pipeline, drafter)
         self.scheduler = Scheduler(prefill_chunk, max_batch, max_context, eos)
         self.plans = 0  # sent so far (tests count them)
         self.wake_s = 0.0  # the last wake-up: from waking the followers to the next plan sent
@@ -96,6 +98,12 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return False
+        if self.executor.drafter is not None:
+            from dataclasses import replace
+
+            from thunderpool.engine.speculate import choose_k
+
+            plan = replace(plan, spec=choose_k(self.executor, plan))
         self._execute(plan)
         for sid in plan.drop:
             self._on_event.pop(sid, None)
@@ -162,6 +170,13 @@ class Engine:
         self._take_cancels()
         for event in self.scheduler.postprocess(sids, tokens):
             self._emit(event)
+
+    def spec_budget(self) -> tuple[bool, int]:
+        self._take_cancels()
+        with self._lock:
+            news = bool(self._incoming)
+        last, room = self.scheduler.spec_budget(news)
+        return last or self._stopping, room
 
     def _take_cancels(self) -> None:
         with self._lock:
