@@ -126,3 +126,29 @@ def synthetic_model(name: str, cache_dir: Path | None = None, console=None) -> P
         gb = parameter_count(config) * 4 / 1e9
         console.print(f"[dim]writing a random {name} llama checkpoint ({gb:.1f} GB) to {out}[/]")
     return write_synthetic(config, out)
+
+
+def write_truncated(model_dir: Path, layers: int, out: Path) -> Path:
+    """A draft for speculative decoding cut from `model_dir`: its embedding, output head,
+    final norm and first `layers` layers (the same tokenizer by construction)."""
+    import mlx.core as mx
+
+    config = json.loads((model_dir / "config.json").read_text())
+    if not 0 < layers < config["num_hidden_layers"]:
+        raise ThunderpoolError(
+            f"a draft of {layers} layers must keep fewer than the model's "
+            f"{config['num_hidden_layers']} layers and at least one"
+        )
+    weights = {}
+    for file in sorted(model_dir.glob("model*.safetensors")):
+        for name, w in mx.load(str(file)).items():
+            parts = name.split(".")
+            if parts[:2] != ["model", "layers"] or int(parts[2]) < layers:
+                weights[name] = w
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config | {"num_hidden_layers": layers}, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, out / name)
+    return out

@@ -65,4 +65,6 @@ class RankJob(_Frozen):
     tp_weights: tuple[float, ...] | None = None
     layer_split: tuple[int, ...] | None = None
     prefill_chunk: int = Field(512, ge=1)
+    draft_model: str | None = None  # the leader's draft for speculative decoding (a model dir)
+    spec_k: int = Field(4, ge=1, le=64)  # draft tokens per verify step
     task: Task

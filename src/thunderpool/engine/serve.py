@@ -19,6 +19,7 @@ from thunderpool.engine.control import Control
 from thunderpool.engine.engine import Engine, follow
 from thunderpool.engine.job import RankJob, ServeTask
 from thunderpool.engine.loader import Layout, load_shard, peak_rss_bytes
+from thunderpool.engine.speculate import drafter_for
 from thunderpool.errors import LaunchError
 
 
@@ -66,6 +67,7 @@ def serve(
         max_batch=task.max_batch,
         max_context=max_context,
         eos=set(tokenizer.eos_token_ids or []),
+        drafter=drafter_for(job),
     )
     counters = Counters()
     loaded_memory = {f"rank{r}_memory_bytes": float(rss) for r, (_, rss) in enumerate(memory)}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -48,6 +49,18 @@ class SpecStats:
     @property
     def tokens_per_step(self) -> float:
         return self.emitted / self.steps if self.steps else 0.0
+
+
+def spec_fields(engine) -> dict:
+    """An engine's speculation counts for an event or a report (none without a draft)."""
+    stats = getattr(engine.executor, "spec_stats", None)
+    if stats is None:
+        return {}
+    return {
+        "spec_steps": stats.steps,
+        "spec_acceptance": stats.acceptance,
+        "spec_tokens_per_step": stats.tokens_per_step,
+    }
 
 
 def untrimmable(cache: list) -> list[str]:
@@ -209,6 +222,8 @@ def lead(executor: Executor, k: int, sink, fresh: int | None) -> None:
             out = accept_greedy(drafts, mx.argmax(logits, axis=-1).tolist())
         else:
             p = distribution(logits, params)
+            if q.shape[-1] < p.shape[-1]:  # a draft with a smaller (unpadded) vocabulary
+                q = np.pad(q, ((0, 0), (0, p.shape[-1] - q.shape[-1])))
             out = accept_sampled(drafts, p, q, drafter.rngs.setdefault(sid, _rng(params)))
         accepted = len(out) - 1
         drafter.settle(sid, n, accepted)
@@ -233,3 +248,48 @@ def follow(executor: Executor, k: int) -> None:
         out = ex.runner.verify(mx.array([[t0, *drafts[:n]]]), ex.state.batch)
         if out is not None:
             mx.eval(out)
+
+
+def drafter_for(job) -> Drafter | None:
+    """The leader's draft model for a RankJob that names one (--draft-model)."""
+    if job.draft_model is None:
+        return None
+    return load_drafter(Path(job.draft_model), Path(job.model_dir), job.spec_k)
+
+
+def load_drafter(draft_dir: Path, target_dir: Path, k: int = DEFAULT_K) -> Drafter:
+    """The draft model, whole on this rank, after checking that it speaks the target's
+    tokenizer: the same token-to-id map where both ship a tokenizer, else the same vocab size."""
+    from mlx_lm.utils import load_model
+
+    from thunderpool.engine.loader import read_config
+
+    draft_cfg, target_cfg = read_config(draft_dir), read_config(target_dir)
+    vocab = _vocab_size(target_cfg)
+    has = [(d / "tokenizer.json").is_file() for d in (draft_dir, target_dir)]
+    if all(has):
+        mine, theirs = _token_ids(draft_dir), _token_ids(target_dir)
+        if mine != theirs:
+            differ = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
+            raise ThunderpoolError(
+                f"--draft-model {draft_dir} has another tokenizer than the model {target_dir} "
+                f"(e.g. {differ}); pick a draft of the same model family and tokenizer"
+            )
+    elif any(has) or _vocab_size(draft_cfg) != vocab:
+        raise ThunderpoolError(
+            f"--draft-model {draft_dir} (vocab {_vocab_size(draft_cfg)}) cannot be checked "
+            f"against the tokenizer of {target_dir} (vocab {vocab}); a draft must share the "
+            "model's tokenizer files, or (without any) its vocabulary size"
+        )
+    model, _ = load_model(draft_dir)
+    return Drafter(model, k, vocab)
+
+
+def _vocab_size(config: dict) -> int:
+    return int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0))
+
+
+def _token_ids(model_dir: Path) -> dict[str, int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab()
