@@ -35,6 +35,10 @@ PRESETS: dict[str, dict] = {
         "torch_dtype": "float32",
     },
 }
+# "1b-draftable": the 1b shape whose layers write small updates into the residual stream, so
+# that a draft cut from its first layers agrees with it often (speculative decoding benches:
+# on random weights a draft agrees by the construction chosen here, not by learning).
+PRESETS["1b-draftable"] = PRESETS["1b"] | {"residual_scale": 0.05}
 
 
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
@@ -77,6 +81,7 @@ def write_synthetic(config: dict, out: Path, seed: int = 0) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     rng = np.random.default_rng(seed)
+    scale = config.get("residual_scale", 1.0)
     index: dict[str, str] = {}
     for part, names in enumerate(_shards(tensor_shapes(config)), start=1):
         file = f"model-{part:05d}.safetensors"
@@ -85,13 +90,15 @@ def write_synthetic(config: dict, out: Path, seed: int = 0) -> Path:
             if len(shape) == 1:
                 tensors[name] = np.ones(shape, np.float32)
             else:
-                tensors[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+                std = 0.02 * (scale if name.endswith(("o_proj.weight", "down_proj.weight")) else 1)
+                tensors[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
             index[name] = file
         save_file(tensors, str(tmp / file), metadata={"format": "pt"})
     total = parameter_count(config) * 4
     (tmp / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1)
     )
+    config = {k: v for k, v in config.items() if k != "residual_scale"}
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -63,6 +63,20 @@ def spec_fields(engine) -> dict:
     }
 
 
+def spec_metrics(engine) -> dict[str, float]:
+    """/metrics keys of speculative decoding (api/metrics.py), none without a draft."""
+    stats = getattr(engine.executor, "spec_stats", None)
+    if stats is None:
+        return {}
+    return {
+        "spec_verify_steps_total": stats.steps,
+        "spec_draft_tokens_total": stats.proposed,
+        "spec_accepted_tokens_total": stats.accepted,
+        "spec_acceptance_rate": stats.acceptance,
+        "spec_tokens_per_step": stats.tokens_per_step,
+    }
+
+
 def untrimmable(cache: list) -> list[str]:
     """The names of cache types in `cache` that cannot drop a rejected tail."""
     bad = []
