@@ -218,7 +218,7 @@ def bench(args: argparse.Namespace) -> int:
     if any(n < 1 for n in args.nodes):
         raise ThunderpoolError(f"--nodes {args.nodes} must all be >= 1")
     _guard_bench(model_dir, args, console)
-    if args.draft_model or args.draft_layers:
+    if getattr(args, "draft_model", None) or getattr(args, "draft_layers", None):
         return _spec_bench(model_dir, args, console, backend)
     run_bench(
         model_dir,

@@ -176,3 +176,16 @@ def test_speculation_is_exact_on_two_ranks(runner, models, tmp_path, parallel):
     done = next(e.event for e in out["events"] if e.event["kind"] == "done")
     assert done["spec_steps"] > 0 and 0 < done["spec_acceptance"] < 1
     np.testing.assert_allclose(out["logits"], np.stack(logits), atol=1e-4, rtol=1e-4)
+
+
+def test_metrics_report_acceptance(runner, models):
+    from thunderpool.api.metrics import render
+    from thunderpool.engine.speculate import spec_metrics
+
+    drafter = Drafter(load_model(models["target"])[0], k=2)
+    _, engine = generate(runner, drafter, tiny_prompts(1))
+    keys = spec_metrics(engine)
+    assert keys["spec_acceptance_rate"] == 1.0 and keys["spec_tokens_per_step"] > 2
+    text = render(keys, {})
+    assert "# TYPE thunderpool_spec_draft_tokens_total counter" in text
+    assert "thunderpool_spec_acceptance_rate 1" in text
