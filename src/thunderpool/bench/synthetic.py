@@ -35,10 +35,10 @@ PRESETS: dict[str, dict] = {
         "torch_dtype": "float32",
     },
 }
-# "1b-draftable": the 1b shape whose layers write small updates into the residual stream, so
-# that a draft cut from its first layers agrees with it often (speculative decoding benches:
-# on random weights a draft agrees by the construction chosen here, not by learning).
-PRESETS["1b-draftable"] = PRESETS["1b"] | {"residual_scale": 0.05}
+# "1b-draftable": the 1b shape whose layers after the first write small updates into the
+# residual stream, so that a draft cut from its first layer (bench --draft-layers 1) agrees
+# with it often: on random weights acceptance comes from this construction, not learning.
+PRESETS["1b-draftable"] = PRESETS["1b"] | {"residual_scale": 0.02}
 
 
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
@@ -90,7 +90,9 @@ def write_synthetic(config: dict, out: Path, seed: int = 0) -> Path:
             if len(shape) == 1:
                 tensors[name] = np.ones(shape, np.float32)
             else:
-                std = 0.02 * (scale if name.endswith(("o_proj.weight", "down_proj.weight")) else 1)
+                later = not name.startswith("model.layers.0.")
+                out = name.endswith(("o_proj.weight", "down_proj.weight"))
+                std = 0.02 * (scale if later and out else 1)
                 tensors[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
             index[name] = file
         save_file(tensors, str(tmp / file), metadata={"format": "pt"})
