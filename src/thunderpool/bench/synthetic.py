@@ -91,8 +91,8 @@ def write_synthetic(config: dict, out: Path, seed: int = 0) -> Path:
                 tensors[name] = np.ones(shape, np.float32)
             else:
                 later = not name.startswith("model.layers.0.")
-                out = name.endswith(("o_proj.weight", "down_proj.weight"))
-                std = 0.02 * (scale if later and out else 1)
+                writes = name.endswith(("o_proj.weight", "down_proj.weight"))
+                std = 0.02 * (scale if later and writes else 1)
                 tensors[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
             index[name] = file
         save_file(tensors, str(tmp / file), metadata={"format": "pt"})
