@@ -189,3 +189,19 @@ def test_metrics_report_acceptance(runner, models):
     text = render(keys, {})
     assert "# TYPE thunderpool_spec_draft_tokens_total counter" in text
     assert "thunderpool_spec_acceptance_rate 1" in text
+
+
+def test_draftable_synthetic_damps_only_later_layers_writes(tmp_path):
+    from safetensors.numpy import load_file
+
+    from thunderpool.bench.synthetic import PRESETS, write_synthetic
+
+    shape = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2}
+    shape |= {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}
+    out = write_synthetic(PRESETS["1b-draftable"] | shape, tmp_path / "m")
+    w = {k: v for f in out.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    first, later = "model.layers.0.", "model.layers.1."
+    ratio = w[later + "mlp.down_proj.weight"].std() / w[first + "mlp.down_proj.weight"].std()
+    assert ratio == pytest.approx(0.02, rel=0.2)
+    assert w[later + "self_attn.q_proj.weight"].std() == pytest.approx(0.02, rel=0.2)
+    assert "residual_scale" not in json.loads((out / "config.json").read_text())
