@@ -38,7 +38,7 @@ PRESETS: dict[str, dict] = {
 # "1b-draftable": the 1b shape whose layers after the first write small updates into the
 # residual stream, so that a draft cut from its first layer (bench --draft-layers 1) agrees
 # with it often: on random weights acceptance comes from this construction, not learning.
-PRESETS["1b-draftable"] = PRESETS["1b"] | {"residual_scale": 0.02}
+PRESETS["1b-draftable"] = PRESETS["1b"] | {"residual_scale": 0.008}
 
 
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
