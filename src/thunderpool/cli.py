@@ -110,6 +110,17 @@ def add_allow_untested(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_speculation(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--draft-model",
+        help="speculative decoding: a small model of the same tokenizer that drafts tokens on "
+        "the leader for the model to verify (dir, .gguf or hub id; lone requests only)",
+    )
+    p.add_argument(
+        "--spec-k", type=_positive, default=4, help="draft tokens per verify step (default 4)"
+    )
+
+
 def _add_backend(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backend",
@@ -136,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         "an answer, print TTFT, tok/s and peak memory per rank",
     )
     _add_layout(gen)
+    _add_speculation(gen)
     gen.add_argument("--prompt", required=True, help="the user message")
     gen.add_argument("--max-tokens", type=_positive, default=256)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -189,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="add each prompt's text to its access-log line (off: prompts stay private)",
     )
+    _add_speculation(srv)
 
     from thunderpool.chat import add_chat_parser
     from thunderpool.cluster.cli import add_cluster_args, add_plan_parser
@@ -252,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--modes", type=_modes, default=("tp", "pp"), help="parallel modes (default tp,pp)"
+    )
+    _add_speculation(bench)
+    bench.add_argument(
+        "--draft-layers",
+        type=_positive,
+        help="instead of --draft-model, a draft cut from the model's first N layers "
+        "(written to the cache once; for --synthetic models)",
     )
     bench.add_argument("--prompt-tokens", type=_positive, default=128)
     bench.add_argument("--max-tokens", type=_positive, default=64)

@@ -44,6 +44,16 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
     return local_instance(job, timeout=timeout), model_dir.name
 
 
+def draft_fields(args: argparse.Namespace) -> dict:
+    """RankJob fields of --draft-model/--spec-k (speculative decoding; the draft resolved here,
+    a path that must also exist on the leader's node with --cluster)."""
+    if not getattr(args, "draft_model", None):
+        return {}
+    from thunderpool.models.source import resolve_model
+
+    return {"draft_model": str(resolve_model(args.draft_model)), "spec_k": args.spec_k}
+
+
 def generate(args: argparse.Namespace) -> int:
     from thunderpool.engine.job import GenerateTask, RankJob
     from thunderpool.engine.sampling import SamplingParams
@@ -70,6 +80,7 @@ def generate(args: argparse.Namespace) -> int:
             prefill_chunk=args.prefill_chunk,
             compile=args.compile,
             **layout,
+            **draft_fields(args),
         )
 
     instance, name = _instance(args, make_job, args.timeout)
@@ -122,6 +133,11 @@ def _print_summary(console: Console, done: dict, loaded: dict, peaks: dict) -> N
         f"({done['prompt_tokens']} tokens) | decode {done['decode_tps']:.1f} tok/s "
         f"({done['generated_tokens']} tokens) | finish: {done['finish_reason']}"
     )
+    if "spec_steps" in done:
+        console.print(
+            f"speculative: {done['spec_steps']} verify steps, acceptance "
+            f"{done['spec_acceptance']:.2f}, {done['spec_tokens_per_step']:.2f} tokens/step"
+        )
     table = Table(
         "rank",
         "layers",
@@ -221,6 +237,8 @@ def bench(args: argparse.Namespace) -> int:
     if any(n < 1 for n in args.nodes):
         raise ThunderpoolError(f"--nodes {args.nodes} must all be >= 1")
     _guard_bench(model_dir, args, console)
+    if getattr(args, "draft_model", None) or getattr(args, "draft_layers", None):
+        return _spec_bench(model_dir, args, console, backend)
     run_bench(
         model_dir,
         nodes=args.nodes,
@@ -250,3 +268,31 @@ def _guard_bench(model_dir: Path, args: argparse.Namespace, console: Console) ->
     for n in sorted(set(args.nodes)):
         for mode in args.modes:
             guard(config, n, mode, args.allow_untested, console, flag="--modes")
+
+
+def _spec_bench(model_dir: Path, args: argparse.Namespace, console: Console, backend: str) -> int:
+    """bench --draft-model/--draft-layers: plain vs speculative decode, one rank and each
+    --modes x --nodes layout (bench/speculative.py)."""
+    import json
+
+    from thunderpool.bench.speculative import run_spec_bench
+    from thunderpool.bench.synthetic import write_truncated
+    from thunderpool.engine.job import BenchTask
+    from thunderpool.models.source import resolve_model
+
+    if args.draft_layers:
+        draft = model_dir.with_name(f"{model_dir.name}-draft{args.draft_layers}")
+        if not (draft / "config.json").is_file():
+            write_truncated(model_dir, args.draft_layers, draft)
+    else:
+        draft = resolve_model(args.draft_model)
+    layouts = [(1, "tp")] + [(n, m) for n in args.nodes for m in args.modes if n > 1]
+    task = BenchTask(
+        prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, repeats=args.repeats
+    )
+    results = run_spec_bench(
+        model_dir, draft, layouts, task, args.spec_k, console, args.pin, backend, args.timeout
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0

@@ -27,6 +27,12 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "queue_depth": ("gauge", "Requests waiting to join the running batch."),
     "active_requests": ("gauge", "Requests in the running batch."),
     "prefix_cache_hit_tokens_total": ("counter", "Prompt tokens reused from the prefix cache."),
+    # Speculative decoding (--draft-model): engine/speculate.py.
+    "spec_verify_steps_total": ("counter", "Speculative verify steps run."),
+    "spec_draft_tokens_total": ("counter", "Draft tokens proposed for verification."),
+    "spec_accepted_tokens_total": ("counter", "Draft tokens the model accepted."),
+    "spec_acceptance_rate": ("gauge", "Accepted / proposed draft tokens since start."),
+    "spec_tokens_per_step": ("gauge", "Tokens emitted per speculative verify step."),
 }
 _RANK_MEMORY = re.compile(r"rank(\d+)_memory_bytes")
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")

@@ -130,6 +130,10 @@ def run_ours(engine: Engine, prompt: list[int], max_tokens: int, meter=None) -> 
 
 def bench_leader(engine: Engine, task: BenchTask, group: mx.distributed.Group, emit) -> None:
     """Time `task.repeats` generations, split a decode step, emit one "bench" event."""
+    if engine.executor.drafter is not None:
+        from thunderpool.bench.speculative import bench_spec_leader
+
+        return bench_spec_leader(engine, task, emit)
     model, size = engine.runner.model, group.size()
     vocab, hidden = model_dims(model)
     prompt = synthetic_prompt(task.prompt_tokens, vocab)

@@ -59,6 +59,10 @@ PRESETS: dict[str, dict] = {
         "torch_dtype": "float32",
     },
 }
+# "1b-draftable": the 1b shape whose layers after the first write small updates into the
+# residual stream, so that a draft cut from its first layer (bench --draft-layers 1) agrees
+# with it often: on random weights acceptance comes from this construction, not learning.
+PRESETS["1b-draftable"] = PRESETS["1b"] | {"residual_scale": 0.008}
 
 
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
@@ -130,6 +134,7 @@ def write_synthetic(config: dict, out: Path, seed: int = 0) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     rng = np.random.default_rng(seed)
+    scale = config.get("residual_scale", 1.0)
     index: dict[str, str] = {}
     for part, names in enumerate(_shards(tensor_shapes(config)), start=1):
         file = f"model-{part:05d}.safetensors"
@@ -138,13 +143,17 @@ def write_synthetic(config: dict, out: Path, seed: int = 0) -> Path:
             if len(shape) == 1:
                 tensors[name] = np.ones(shape, np.float32)
             else:
-                tensors[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+                later = not name.startswith("model.layers.0.")
+                writes = name.endswith(("o_proj.weight", "down_proj.weight"))
+                std = 0.02 * (scale if later and writes else 1)
+                tensors[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
             index[name] = file
         save_file(tensors, str(tmp / file), metadata={"format": "pt"})
     total = parameter_count(config) * 4
     (tmp / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1)
     )
+    config = {k: v for k, v in config.items() if k != "residual_scale"}
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
@@ -180,3 +189,29 @@ def synthetic_model(name: str, cache_dir: Path | None = None, console=None) -> P
         gb = parameter_count(config) * 4 / 1e9
         console.print(f"[dim]writing a random {name} {kind} checkpoint ({gb:.1f} GB) to {out}[/]")
     return write_synthetic(config, out)
+
+
+def write_truncated(model_dir: Path, layers: int, out: Path) -> Path:
+    """A draft for speculative decoding cut from `model_dir`: its embedding, output head,
+    final norm and first `layers` layers (the same tokenizer by construction)."""
+    import mlx.core as mx
+
+    config = json.loads((model_dir / "config.json").read_text())
+    if not 0 < layers < config["num_hidden_layers"]:
+        raise ThunderpoolError(
+            f"a draft of {layers} layers must keep fewer than the model's "
+            f"{config['num_hidden_layers']} layers and at least one"
+        )
+    weights = {}
+    for file in sorted(model_dir.glob("model*.safetensors")):
+        for name, w in mx.load(str(file)).items():
+            parts = name.split(".")
+            if parts[:2] != ["model", "layers"] or int(parts[2]) < layers:
+                weights[name] = w
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config | {"num_hidden_layers": layers}, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, out / name)
+    return out

@@ -51,6 +51,14 @@ class Control:
             return mine  # alone: the same graph minus the collective
         return self._lazy_sum(mine)
 
+    def share_ints(self, values: list[int] | None, n: int) -> list[int]:
+        """The leader's n ints on every rank, eagerly (one int32 all_sum; followers pass
+        None): a speculative verify step's drafts and accept decision (speculate.py)."""
+        mine = mx.array(values if values is not None else [0] * n, mx.int32)
+        if self.size == 1:
+            return mine.tolist()
+        return self._lazy_sum(mine).tolist()
+
     def _lazy_sum(self, mine: mx.array) -> mx.array:
         """Every rank's `mine` summed inside the graph (padded to min_elements, then cut)."""
         self.collectives += 1

@@ -45,10 +45,12 @@ class Engine:
         eos: set[int] | frozenset[int] = frozenset(),
         pipeline: bool | None = None,
         tokenizer=None,
+        drafter=None,
     ):
         """`tokenizer` (mlx-lm's, the leader's): lets requests carry a json_schema."""
         self.runner, self.control = runner, control
-        self.executor = Executor(runner, control, pipeline)
+        # drafter: speculate.Drafter on the leader, for speculative decoding (or None).
+        self.executor = Executor(runner, control, pipeline, drafter)
         if tokenizer is not None:
             from thunderpool.engine.constraint import Grammars
 
@@ -108,6 +110,12 @@ class Engine:
         if plan is None:
             return False
         self._note_queue_time(plan)
+        if self.executor.drafter is not None:
+            from dataclasses import replace
+
+            from thunderpool.engine.speculate import choose_k
+
+            plan = replace(plan, spec=choose_k(self.executor, plan))
         self._execute(plan)
         for sid in plan.drop:
             self._on_event.pop(sid, None)
@@ -188,6 +196,13 @@ class Engine:
             if event.token is not None and (lp := logprobs.get(event.sid)) is not None:
                 event = replace(event, logprob=lp)
             self._emit(event)
+
+    def spec_budget(self) -> tuple[bool, int]:
+        self._take_cancels()
+        with self._lock:
+            news = bool(self._incoming)
+        last, room = self.scheduler.spec_budget(news)
+        return last or self._stopping, room
 
     def _take_cancels(self) -> None:
         with self._lock:

@@ -14,7 +14,7 @@ is one rank's own choice: the collectives are the same.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 
@@ -27,6 +27,9 @@ from thunderpool.engine.runner import Runner
 from thunderpool.engine.sampling import Sampler, SamplingParams, sample_rows
 from thunderpool.engine.wake import Waker
 
+if TYPE_CHECKING:
+    from thunderpool.engine.speculate import Drafter
+
 
 class Sink(Protocol):
     """The leader's side of a step: the scheduler behind the engine's inbox."""
@@ -35,10 +38,24 @@ class Sink(Protocol):
 
     def deliver(self, sids: list[int], tokens: list[int]) -> None: ...
 
+    def spec_budget(self) -> tuple[bool, int]: ...
+
 
 class Executor:
-    def __init__(self, runner: Runner, control: Control, pipeline: bool | None = None):
+    def __init__(
+        self,
+        runner: Runner,
+        control: Control,
+        pipeline: bool | None = None,
+        drafter: Drafter | None = None,
+    ):
         self.runner, self.control = runner, control
+        self.drafter = drafter  # leader: the draft model of speculative decoding (speculate.py)
+        if drafter is not None:
+            from thunderpool.engine.speculate import SpecStats, check_speculable
+
+            check_speculable(runner.make_cache(), "model")
+            self.spec_stats = SpecStats()
         self.leads = control.rank == 0
         self.state = BatchState(runner)
         self.pipeline = overlaps(runner) if pipeline is None else pipeline
@@ -62,7 +79,14 @@ class Executor:
                     if self.leads:
                         rows = [first] if self.next is None else [self.next, first]
                         self.next = mx.concatenate(rows)
-                if plan.decode:
+                if plan.spec:
+                    from thunderpool.engine import speculate
+
+                    if self.leads:
+                        speculate.lead(self, plan.spec, sink, plan.join[0] if plan.join else None)
+                    else:
+                        speculate.follow(self, plan.spec)
+                elif plan.decode:
                     if self.leads:
                         self._lead_burst(sink, plan.join[0] if plan.join else None)
                     else:
@@ -83,6 +107,8 @@ class Executor:
         keep = self.state.drop(set(drop))
         for sid in drop:
             self.samplers.pop(sid, None)
+            if self.drafter is not None:
+                self.drafter.drop(sid)
         if self.next is not None and keep is not None:
             self.next = self.next[mx.array(keep)] if keep else None
 
@@ -93,6 +119,8 @@ class Executor:
             self.samplers[p.sid] = self.make_sampler(p.sampling)
         if self.leads and (sampler := self.samplers.get(p.sid)) is not None:
             sampler.observe_prompt(p.tokens)  # the repetition penalty covers the prompt
+        if self.drafter is not None:
+            self.drafter.extend(p.sid, list(p.tokens))
         out = self.state.prefill(p.sid, list(p.tokens))
         if not (p.last and self.leads):
             # Every rank's prefill completes before any exchange (the collectives' order).
@@ -146,6 +174,9 @@ class Executor:
 
     def _deliver(self, sink: Sink, sids: list[int], y: mx.array, logits) -> None:
         tokens = y.tolist()
+        if self.drafter is not None:
+            for sid, token in zip(sids, tokens, strict=True):
+                self.drafter.extend(sid, [token])
         if self.on_logits is not None and logits is not None:
             self.on_logits(sids, logits)
         sink.deliver(sids, tokens)

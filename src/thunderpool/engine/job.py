@@ -67,4 +67,6 @@ class RankJob(_Frozen):
     expert_split: tuple[int, ...] | None = None  # EP: routed experts per rank
     prefill_chunk: int = Field(512, ge=1)
     compile: bool = True  # compiled decode steps where proven equal (engine/compiled.py)
+    draft_model: str | None = None  # the leader's draft for speculative decoding (a model dir)
+    spec_k: int = Field(4, ge=1, le=64)  # draft tokens per verify step
     task: Task

@@ -16,6 +16,7 @@ from thunderpool.engine.engine import Engine, follow
 from thunderpool.engine.job import GenerateTask, RankJob, TraceTask
 from thunderpool.engine.loader import Layout, load_shard, peak_rss_bytes
 from thunderpool.engine.sequence import TextEdge
+from thunderpool.engine.speculate import drafter_for, spec_fields
 
 NO_CONTEXT_LIMIT = 1 << 62  # generate, trace and bench stop at max_tokens only
 Emit = Callable[..., None]
@@ -46,6 +47,7 @@ def run(
             prefill_chunk=job.prefill_chunk,
             max_context=NO_CONTEXT_LIMIT,
             eos=eos,
+            drafter=drafter_for(job),
         )
         try:
             match job.task:
@@ -103,6 +105,7 @@ def _generate(engine: Engine, tokenizer, task: GenerateTask, emit: Emit) -> None
         prefill_tps=end.prompt_tokens / ttft if ttft else 0.0,
         decode_tps=steps / decode_s if steps > 0 and decode_s else 0.0,
         finish_reason=end.finish_reason,
+        **spec_fields(engine),
     )
 
 
@@ -123,4 +126,4 @@ def _trace(engine: Engine, task: TraceTask, emit: Emit) -> None:
     if task.keep_logits:
         arrays["logits"] = np.stack(logits)
     np.savez(task.out, **arrays)
-    emit("done", out=task.out)
+    emit("done", out=task.out, **spec_fields(engine))

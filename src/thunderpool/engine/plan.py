@@ -50,12 +50,15 @@ class StepPlan:
     join: tuple[int, ...] = ()
     decode: bool = False
     args: tuple = ()  # probe: (shape, repeats, op); solo: (prompt, steps); park: wake address
+    spec: int = 0  # > 0: the decode is a speculative verify burst of up to `spec` drafts
 
     def __post_init__(self):
         if self.op not in OPS:
             raise ValueError(f"unknown plan op {self.op!r}; one of {OPS}")
         if self.join and (self.prefill is None or self.join != (self.prefill.sid,)):
             raise ValueError(f"join={self.join} must be the sid of a prefill's last chunk")
+        if self.spec and not (self.decode and self.spec > 0):
+            raise ValueError(f"spec={self.spec} needs decode and a positive draft length")
 
     def encode(self) -> bytes:
         d: dict = {"op": self.op}
@@ -72,6 +75,8 @@ class StepPlan:
             d["dec"] = 1
         if self.args:
             d["args"] = list(self.args)
+        if self.spec:
+            d["spec"] = self.spec
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
@@ -89,6 +94,7 @@ class StepPlan:
             join=tuple(int(s) for s in d.get("join", ())),
             decode=bool(d.get("dec")),
             args=tuple(d.get("args", ())),
+            spec=int(d.get("spec", 0)),
         )
 
 

@@ -57,6 +57,17 @@ class Runner:
             return h  # TP followers evaluate the same all_sums as the leader; PP ones get None
         return self.project(h)[:, -1, :]
 
+    def verify(self, tokens: mx.array, cache: list) -> mx.array | None:
+        """tokens (B, L) -> logits (B, L, V) of every position on the leader (a speculative
+        verify step); on followers, what must be evaluated."""
+        if self.stage is not None:
+            h = self.stage.forward(tokens, cache, last_only=False)
+        else:
+            h = self.model.model(tokens, cache=cache)
+        if not (self.is_leader or self.every_rank_projects):
+            return h
+        return self.project(h)
+
     def project(self, h: mx.array) -> mx.array:
         """The output head; tied models reuse the embedding matrix."""
         head = getattr(self.model, "lm_head", None)

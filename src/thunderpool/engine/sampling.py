@@ -62,6 +62,19 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def speculable(self) -> bool:
+        """What speculate.py's accept rule reproduces exactly: temperature, top-k and top-p;
+        no grammar, penalties, bias, min_p or logprobs (those rows decode one token a step)."""
+        penalized = (self.frequency_penalty, self.presence_penalty, self.repetition_penalty)
+        return (
+            self.json_schema is None
+            and not self.logprobs
+            and not self.logit_bias
+            and self.min_p == 0
+            and penalized == (0.0, 0.0, 1.0)
+        )
+
 
 class Sampler:
     """logits (1, V) -> token (1,) for one sequence. `grammars` (constraint.Grammars, the

@@ -19,6 +19,7 @@ from thunderpool.engine.control import Control
 from thunderpool.engine.engine import Engine, follow
 from thunderpool.engine.job import RankJob, ServeTask
 from thunderpool.engine.loader import Layout, load_shard, peak_rss_bytes
+from thunderpool.engine.speculate import drafter_for, spec_metrics
 from thunderpool.errors import LaunchError
 
 
@@ -67,6 +68,7 @@ def serve(
         max_context=max_context,
         eos=set(tokenizer.eos_token_ids or []),
         tokenizer=tokenizer,
+        drafter=drafter_for(job),
     )
     counters = Counters()
     loaded_memory = {f"rank{r}_memory_bytes": float(rss) for r, (_, rss) in enumerate(memory)}
@@ -86,6 +88,7 @@ def serve(
             "leader_mlx_active_bytes": mx.get_active_memory(),
             "leader_rss_bytes": current_rss_bytes(),
             "leader_time": time.time(),
+            **spec_metrics(engine),
         }
 
     requests = TextRequests(engine, tokenizer, counters)

@@ -120,8 +120,9 @@ class PipelineStage:
         if self.rank != self.size - 1:
             inner.norm = _Identity()
 
-    def forward(self, tokens: mx.array, cache: list) -> mx.array | None:
-        """Runs this stage; returns the final hidden state of the last position on rank 0."""
+    def forward(self, tokens: mx.array, cache: list, last_only: bool = True) -> mx.array | None:
+        """Runs this stage; returns the final hidden state of the last position on rank 0
+        (of every position when not `last_only`: a speculative verify step)."""
         B, L = tokens.shape
         if self.handoff is not None:
             self.handoff.hand(
@@ -135,16 +136,17 @@ class PipelineStage:
             if self.handoff is not None:
                 self.handoff.hand(None)
         _advance_others(cache, self.local, B, L, self.dtype)
+        kept = 1 if last_only else L
         if self.size == 1:
-            return h[:, -1:, :]
+            return h[:, -kept:, :]
         if self.rank < self.size - 1:
             mx.eval(mx.distributed.send(h.astype(self.dtype), self.rank + 1, group=self.group))
         else:
-            last = h[:, -1:, :].astype(self.dtype)
+            last = h[:, -kept:, :].astype(self.dtype)
             mx.eval(mx.distributed.send(last, 0, group=self.group))
         if self.rank == 0:
             return mx.distributed.recv(
-                (B, 1, self.hidden), self.dtype, self.size - 1, group=self.group
+                (B, kept, self.hidden), self.dtype, self.size - 1, group=self.group
             )
         return None
 

@@ -180,6 +180,19 @@ def add_simulate_parser(sub) -> None:
     p.add_argument("--json", type=Path, help="also write the plans as JSON here")
     p.add_argument("--list", action="store_true", help="list node/link presets and bundled models")
     p.add_argument(
+        "--spec-accept",
+        type=float,
+        help="also predict speculative decoding at this draft acceptance rate (0..1)",
+    )
+    p.add_argument(
+        "--spec-k", type=int, default=0, help="draft tokens per verify step (default: best)"
+    )
+    p.add_argument(
+        "--draft",
+        default="qwen3-0.6b:q8",
+        help="the draft model for --spec-accept, as --model (default qwen3-0.6b:q8)",
+    )
+    p.add_argument(
         "--validate",
         action="store_true",
         help="predict every published result the simulator is calibrated against",
@@ -218,6 +231,14 @@ def simulate_main(args: argparse.Namespace) -> int:
     family = family_of({"model_type": spec.model_type})
     console.print(describe(family), soft_wrap=True)
     console.print(explain(plans))
+    if args.spec_accept is not None:
+        from thunderpool.planner.speculative import spec_table
+
+        shown = distinct(plans, cluster)[: args.top]
+        draft = load_model(args.draft)
+        console.print(
+            spec_table(spec, shown, cluster, draft, args.spec_accept, args.spec_k, prompt)
+        )
     if args.json:
         out = plans_json(args, cluster, plans, family)
         if ep_rows:

@@ -95,6 +95,7 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
 
 def _local(args, backend: str, model_dir: Path, name: str, max_context: int, token: str):
     from thunderpool.cluster.mpi import local_instance
+    from thunderpool.commands import draft_fields
     from thunderpool.config import LINK_TOKEN_ENV
     from thunderpool.engine.job import RankJob, ServeTask
     from thunderpool.engine.loader import Layout, preflight
@@ -113,6 +114,7 @@ def _local(args, backend: str, model_dir: Path, name: str, max_context: int, tok
         compile=args.compile,
         task=ServeTask(model_name=name, max_batch=args.max_batch, max_context=max_context),
         backend=backend,
+        **draft_fields(args),
     )
     # On one host a lost rank is restarted in the same layout; the token authenticates the
     # gateway to the leader and reaches the ranks through their environment only.
@@ -121,6 +123,7 @@ def _local(args, backend: str, model_dir: Path, name: str, max_context: int, tok
 
 def _cluster(args, name: str, max_context: int, console: Console):
     from thunderpool.cluster.cli import ClusterPlanner
+    from thunderpool.commands import draft_fields
     from thunderpool.engine.job import RankJob, ServeTask
 
     def make_job(world: int, layout: dict, _model_dir: str | None = None) -> RankJob:
@@ -137,6 +140,7 @@ def _cluster(args, name: str, max_context: int, console: Console):
                 max_context=max_context,
             ),
             **layout,
+            **draft_fields(args),
         )
 
     planner = ClusterPlanner(args, make_job, None, console)

@@ -1,0 +1,95 @@
+"""`bench --draft-model`: decode tok/s with and without speculative decoding, alternated in the
+same instance (plain, speculative, plain, ...), on one rank and each --modes x --nodes layout,
+with the draft's acceptance rate and tokens per verify step. Greedy, so both must give the
+same tokens (checked and reported)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from thunderpool.bench.engine_bench import WARMUP_TOKENS, model_dims, run_ours, synthetic_prompt
+from thunderpool.engine.engine import Engine
+from thunderpool.engine.job import BenchTask, RankJob
+from thunderpool.engine.speculate import SpecStats
+
+
+def bench_spec_leader(engine: Engine, task: BenchTask, emit) -> None:
+    """On the leader: `task.repeats` plain and speculative generations, alternated."""
+    ex = engine.executor
+    drafter, size = ex.drafter, engine.control.size
+    prompt = synthetic_prompt(task.prompt_tokens, model_dims(engine.runner.model)[0])
+    runs: dict[str, list] = {"plain": [], "spec": []}
+    for warm in (True, False):
+        for _ in range(1 if warm else task.repeats):
+            for mode in ("plain", "spec"):
+                ex.drafter, ex.spec_stats = (drafter if mode == "spec" else None), SpecStats()
+                run = run_ours(engine, prompt, WARMUP_TOKENS if warm else task.max_tokens)
+                if not warm:
+                    runs[mode].append((run, ex.spec_stats))
+    ex.drafter = drafter
+    tps = {m: [r.decode_tps for r, _ in rs] for m, rs in runs.items()}
+    stats = [s for _, s in runs["spec"]]
+    plain, spec = statistics.median(tps["plain"]), statistics.median(tps["spec"])
+    parallel = "single" if size == 1 else ("pp" if engine.runner.stage is not None else "tp")
+    emit(
+        "bench",
+        world_size=size,
+        parallel=parallel,
+        spec_k=drafter.k,
+        plain_decode_tps=tps["plain"],
+        spec_decode_tps=tps["spec"],
+        speedup=spec / plain if plain else 0.0,
+        acceptance=sum(s.accepted for s in stats) / max(1, sum(s.proposed for s in stats)),
+        tokens_per_step=sum(s.emitted for s in stats) / max(1, sum(s.steps for s in stats)),
+        identical_tokens=len({tuple(r.tokens) for rs in runs.values() for r, _ in rs}) == 1,
+    )
+
+
+def run_spec_bench(
+    model_dir: Path,
+    draft_dir: Path,
+    layouts: list[tuple[int, str]],
+    task: BenchTask,
+    spec_k: int,
+    console,
+    pin: bool = False,
+    backend: str = "ring",
+    timeout: float = 600.0,
+) -> list[dict]:
+    """One instance per (ranks, mode) layout; prints a table, returns each leader's result."""
+    from rich.table import Table
+
+    from thunderpool.cluster.mpi import local_instance
+
+    results = []
+    for nodes, parallel in layouts:
+        job = RankJob(
+            model_dir=str(model_dir),
+            world_size=nodes,
+            parallel=parallel,
+            task=task,
+            draft_model=str(draft_dir),
+            spec_k=spec_k,
+            backend="mpi" if backend == "mpi" and nodes > 1 else "ring",
+        )
+        with console.status(f"{nodes} rank(s) {parallel}: plain vs speculative"):
+            with local_instance(job, timeout=timeout, pin=pin) as instance:
+                for ev in instance.events():
+                    if ev.event.get("kind") == "bench":
+                        results.append({k: v for k, v in ev.event.items() if k != "kind"})
+    table = Table(title=f"{model_dir.name} drafted by {draft_dir.name}, k={spec_k}, greedy")
+    for col in ("layout", "plain tok/s", "spec tok/s", "speedup", "accept", "tok/step", "same"):
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(
+            f"{r['parallel']} {r['world_size']}",
+            f"{statistics.median(r['plain_decode_tps']):.2f}",
+            f"{statistics.median(r['spec_decode_tps']):.2f}",
+            f"{r['speedup']:.2f}x",
+            f"{r['acceptance']:.2f}",
+            f"{r['tokens_per_step']:.2f}",
+            "yes" if r["identical_tokens"] else "NO",
+        )
+    console.print(table)
+    return results

@@ -1,0 +1,314 @@
+"""Speculative decoding in lockstep: a draft model on the leader proposes up to k tokens, every
+rank verifies them in one forward of the sharded target, the leader accepts by the standard rule.
+
+A verify burst (plan.spec = k) is a loop of exchanges of k+4 int32 (Control.share_ints):
+[go, trim, n, t0, d1..dk]. Every rank first trims `trim` rejected positions of the previous
+verify from its KV cache; with go=1 it then runs the target on [t0, d1..dn]; go=0 ends the
+burst. So followers learn each accept decision one exchange later, and every rank issues the
+same collectives in the same order. Only a lone row speculates (choose_k): a batch decodes as
+before. Accept rules follow Leviathan et al. 2023 (greedy: longest agreeing prefix plus the
+target's own next token; sampling: accept d with min(1, p(d)/q(d)), else draw from (p-q)+).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.sample_utils import apply_top_k, apply_top_p
+
+from thunderpool.engine.sampling import SamplingParams
+from thunderpool.errors import ThunderpoolError
+
+if TYPE_CHECKING:
+    from thunderpool.engine.executor import Executor
+    from thunderpool.engine.plan import StepPlan
+
+DEFAULT_K = 4
+# Cache types whose rejected tail can be cut by trim() at any length (no ring, no recurrence).
+TRIMMABLE = {"KVCache", "BatchKVCache", "QuantizedKVCache", "ConcatenateKVCache"}
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Running counts of one engine's verify steps (bench and /metrics read them)."""
+
+    steps: int = 0  # verify forwards
+    proposed: int = 0  # draft tokens offered
+    accepted: int = 0  # draft tokens the target kept
+    emitted: int = 0  # tokens delivered by verify steps (accepted + one of the target's own)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+
+def spec_fields(engine) -> dict:
+    """An engine's speculation counts for an event or a report (none without a draft)."""
+    stats = getattr(engine.executor, "spec_stats", None)
+    if stats is None:
+        return {}
+    return {
+        "spec_steps": stats.steps,
+        "spec_acceptance": stats.acceptance,
+        "spec_tokens_per_step": stats.tokens_per_step,
+    }
+
+
+def spec_metrics(engine) -> dict[str, float]:
+    """/metrics keys of speculative decoding (api/metrics.py), none without a draft."""
+    stats = getattr(engine.executor, "spec_stats", None)
+    if stats is None:
+        return {}
+    return {
+        "spec_verify_steps_total": stats.steps,
+        "spec_draft_tokens_total": stats.proposed,
+        "spec_accepted_tokens_total": stats.accepted,
+        "spec_acceptance_rate": stats.acceptance,
+        "spec_tokens_per_step": stats.tokens_per_step,
+    }
+
+
+def untrimmable(cache: list) -> list[str]:
+    """The names of cache types in `cache` that cannot drop a rejected tail."""
+    bad = []
+    for c in cache:
+        for part in getattr(c, "caches", (c,)):
+            if type(part).__name__ not in TRIMMABLE:
+                bad.append(type(part).__name__)
+    return sorted(set(bad))
+
+
+def check_speculable(cache: list, what: str) -> None:
+    if bad := untrimmable(cache):
+        raise ThunderpoolError(
+            f"speculative decoding needs KV caches that can drop rejected tokens, but the {what} "
+            f"uses {', '.join(bad)} (sliding window or recurrent state); run without --draft-model"
+        )
+
+
+def trim(cache: list, n: int) -> None:
+    if n > 0:
+        for c in cache:
+            c.trim(n)
+
+
+def distribution(logits: mx.array, params: SamplingParams) -> np.ndarray:
+    """logits (L, V) -> the sampler's distribution (L, V) as float64: temperature, top-k and
+    top-p applied as in sampling.Sampler."""
+    logprobs = logits.astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    if 0 < params.top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, params.top_k)
+    if params.top_p < 1:
+        logprobs = apply_top_p(logprobs, params.top_p)
+    probs = np.array(mx.softmax(logprobs * (1 / params.temperature), axis=-1), np.float64)
+    return probs / probs.sum(axis=-1, keepdims=True)
+
+
+def accept_greedy(drafts: list[int], target: list[int]) -> list[int]:
+    """drafts d1..dn and the target's argmax at each of the n+1 positions -> emitted tokens."""
+    n = next((i for i, (d, t) in enumerate(zip(drafts, target, strict=False)) if d != t), None)
+    n = len(drafts) if n is None else n
+    return [*drafts[:n], target[n]]
+
+
+def accept_sampled(
+    drafts: list[int], p: np.ndarray, q: np.ndarray, rng: np.random.Generator
+) -> list[int]:
+    """Rejection sampling: drafts drawn from q (n, V), target p (n+1, V) -> emitted tokens,
+    distributed exactly as sampling p token by token."""
+    out = []
+    for i, d in enumerate(drafts):
+        if rng.random() * q[i, d] < p[i, d]:  # u < p/q without dividing by zero
+            out.append(d)
+            continue
+        residual = np.maximum(p[i] - q[i], 0.0)
+        total = residual.sum()
+        out.append(int(rng.choice(len(residual), p=residual / total)) if total > 0 else d)
+        return out
+    out.append(int(rng.choice(p.shape[-1], p=p[len(drafts)])))
+    return out
+
+
+def _rng(params: SamplingParams) -> np.random.Generator:
+    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+    return np.random.default_rng(seed)
+
+
+class Drafter:
+    """The draft model on the leader: one prefix cache per sequence, fed lazily with the
+    sequence's tokens (prompt and delivered ones) the first time that sequence speculates."""
+
+    def __init__(self, model, k: int = DEFAULT_K, vocab: int | None = None):
+        if k < 1:
+            raise ThunderpoolError(f"--spec-k {k} must be at least 1")
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.model, self.k, self.vocab = model, k, vocab
+        self._make_cache = lambda: make_prompt_cache(model)
+        check_speculable(self._make_cache(), "draft model")
+        self.seqs: dict[int, list[int]] = {}
+        self.fed: dict[int, int] = {}  # tokens of seqs[sid] in the draft cache
+        self.caches: dict[int, list] = {}
+        self.rngs: dict[int, np.random.Generator] = {}
+
+    def extend(self, sid: int, tokens: list[int]) -> None:
+        self.seqs.setdefault(sid, []).extend(tokens)
+
+    def drop(self, sid: int) -> None:
+        for d in (self.seqs, self.fed, self.caches, self.rngs):
+            d.pop(sid, None)
+
+    def _logits(self, tokens: list[int], cache: list) -> mx.array:
+        out = self.model(mx.array([tokens]), cache=cache)[0, -1]
+        return out[: self.vocab] if self.vocab is not None else out
+
+    def propose(self, sid: int, n: int, params: SamplingParams) -> tuple[list[int], np.ndarray]:
+        """n draft tokens after the sequence's last token, and their distributions (n, V)
+        (empty when greedy). The draft cache then holds the sequence plus n-1 drafts."""
+        seq, cache = self.seqs[sid], self.caches.setdefault(sid, self._make_cache())
+        fed = self.fed.get(sid, 0)
+        assert fed < len(seq), "the sequence's last token is always new to the draft"
+        for start in range(fed, len(seq) - 1, 512):  # catch up a long prompt in chunks
+            chunk = seq[start : min(start + 512, len(seq) - 1)]
+            mx.eval(self.model(mx.array([chunk]), cache=cache))
+        logits = self._logits(seq[-1:], cache)
+        self.fed[sid] = len(seq)
+        drafts, qs = [], []
+        for i in range(n):
+            if params.greedy:
+                d = int(mx.argmax(logits).item())
+            else:
+                q = distribution(logits[None], params)[0]
+                rng = self.rngs.setdefault(sid, _rng(params))
+                d = int(rng.choice(q.shape[-1], p=q))
+                qs.append(q)
+            drafts.append(d)
+            if i < n - 1:
+                logits = self._logits([d], cache)
+        return drafts, np.stack(qs) if qs else np.zeros((0, 0))
+
+    def settle(self, sid: int, n: int, accepted: int) -> None:
+        """Drop the rejected drafts from the draft cache (it holds n-1 of them)."""
+        kept = min(accepted, n - 1)
+        trim(self.caches[sid], n - 1 - kept)
+        self.fed[sid] += kept
+
+
+def choose_k(executor: Executor, plan: StepPlan) -> int:
+    """Leader: the plan's draft length: the drafter's k when exactly one row will decode
+    and its sampling is one the accept rule keeps exact (SamplingParams.speculable)."""
+    if executor.drafter is None or not plan.decode:
+        return 0
+    rows = [r for r in executor.state.rows if r not in plan.drop] + list(plan.join)
+    if len(rows) != 1:
+        return 0
+    fresh = plan.prefill.sampling if plan.join and plan.prefill else None
+    params = fresh if fresh is not None else executor.samplers[rows[0]].params
+    return executor.drafter.k if params.speculable else 0
+
+
+def lead(executor: Executor, k: int, sink, fresh: int | None) -> None:
+    """The leader's verify burst (module docstring). `fresh`: the row that joined this plan,
+    whose first token (sampled at prefill) is not delivered yet."""
+    ex, drafter, stats = executor, executor.drafter, executor.spec_stats
+    (sid,) = ex.state.rows
+    params = ex.samplers[sid].params
+    if fresh is not None:
+        mx.eval(ex.next)
+        ex._deliver(sink, [sid], ex.next, ex._first_logits)
+    t0, trim_prev = int(ex.next.item()), 0
+    go = True
+    while go:
+        last, room = sink.spec_budget()
+        if room <= 0:
+            break
+        n = min(k, room - 1)
+        drafts, q = drafter.propose(sid, n, params)
+        ex.control.share_ints([1, trim_prev, n, t0, *drafts, *[0] * (k - n)], k + 4)
+        trim(ex.state.batch, trim_prev)
+        logits = ex.runner.verify(mx.array([[t0, *drafts]]), ex.state.batch)[0]  # (n+1, V)
+        if params.greedy:
+            out = accept_greedy(drafts, mx.argmax(logits, axis=-1).tolist())
+        else:
+            p = distribution(logits, params)
+            if q.shape[-1] < p.shape[-1]:  # a draft with a smaller (unpadded) vocabulary
+                q = np.pad(q, ((0, 0), (0, p.shape[-1] - q.shape[-1])))
+            out = accept_sampled(drafts, p, q, drafter.rngs.setdefault(sid, _rng(params)))
+        accepted = len(out) - 1
+        drafter.settle(sid, n, accepted)
+        for i, token in enumerate(out):
+            ex._deliver(sink, [sid], mx.array([token]), logits[i : i + 1])
+        stats.steps, stats.proposed = stats.steps + 1, stats.proposed + n
+        stats.accepted, stats.emitted = stats.accepted + accepted, stats.emitted + len(out)
+        trim_prev, t0, go = n - accepted, out[-1], not last
+    ex.control.share_ints([0, trim_prev, 0, 0, *[0] * k], k + 4)
+    trim(ex.state.batch, trim_prev)
+    ex.next, ex._first_logits = mx.array([t0]), None
+
+
+def follow(executor: Executor, k: int) -> None:
+    """A follower's verify burst: the same exchanges and forwards as the leader's."""
+    ex = executor
+    while True:
+        go, trim_prev, n, t0, *drafts = ex.control.share_ints(None, k + 4)
+        trim(ex.state.batch, trim_prev)
+        if not go:
+            return
+        out = ex.runner.verify(mx.array([[t0, *drafts[:n]]]), ex.state.batch)
+        if out is not None:
+            mx.eval(out)
+
+
+def drafter_for(job) -> Drafter | None:
+    """The leader's draft model for a RankJob that names one (--draft-model)."""
+    if job.draft_model is None:
+        return None
+    return load_drafter(Path(job.draft_model), Path(job.model_dir), job.spec_k)
+
+
+def load_drafter(draft_dir: Path, target_dir: Path, k: int = DEFAULT_K) -> Drafter:
+    """The draft model, whole on this rank, after checking that it speaks the target's
+    tokenizer: the same token-to-id map where both ship a tokenizer, else the same vocab size."""
+    from mlx_lm.utils import load_model
+
+    from thunderpool.engine.loader import read_config
+
+    draft_cfg, target_cfg = read_config(draft_dir), read_config(target_dir)
+    vocab = _vocab_size(target_cfg)
+    has = [(d / "tokenizer.json").is_file() for d in (draft_dir, target_dir)]
+    if all(has):
+        mine, theirs = _token_ids(draft_dir), _token_ids(target_dir)
+        if mine != theirs:
+            differ = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
+            raise ThunderpoolError(
+                f"--draft-model {draft_dir} has another tokenizer than the model {target_dir} "
+                f"(e.g. {differ}); pick a draft of the same model family and tokenizer"
+            )
+    elif any(has) or _vocab_size(draft_cfg) != vocab:
+        raise ThunderpoolError(
+            f"--draft-model {draft_dir} (vocab {_vocab_size(draft_cfg)}) cannot be checked "
+            f"against the tokenizer of {target_dir} (vocab {vocab}); a draft must share the "
+            "model's tokenizer files, or (without any) its vocabulary size"
+        )
+    model, _ = load_model(draft_dir)
+    return Drafter(model, k, vocab)
+
+
+def _vocab_size(config: dict) -> int:
+    return int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0))
+
+
+def _token_ids(model_dir: Path) -> dict[str, int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab()

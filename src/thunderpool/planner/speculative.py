@@ -1,0 +1,115 @@
+"""What speculative decoding buys a plan (engine/speculate.py), from the same cost model.
+
+A verify step runs the target once over k+1 tokens of one sequence: the weights are read once
+and the fixed per-step costs (dispatch, collectives) paid once, as for a batch of k+1 rows,
+so cost.predict(concurrency=k+1) prices it (MoE layers read the experts that k+1 tokens touch).
+Before it, the leader runs the draft k times, one token each, while the other ranks wait:
+today's engine does not overlap drafting with verifying. With per-token acceptance rate a
+(independent of position), a verify step emits E = (1 - a^(k+1)) / (1 - a) tokens on average
+(Leviathan et al. 2023), so tok/s = E / (k * draft_s + verify_s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from thunderpool.planner.cost import LinkSpec, NodeSpec, Stage, predict
+from thunderpool.planner.spec import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class SpecPrediction:
+    accept: float
+    k: int
+    plain_tps: float  # the plan's decode tok/s without speculation
+    draft_s: float  # one draft token on the leader's node
+    verify_s: float  # one target forward over k+1 tokens
+    tokens_per_step: float
+
+    @property
+    def decode_tps(self) -> float:
+        return self.tokens_per_step / (self.k * self.draft_s + self.verify_s)
+
+    @property
+    def speedup(self) -> float:
+        return self.decode_tps / self.plain_tps
+
+
+def expected_tokens(accept: float, k: int) -> float:
+    """Tokens a verify step emits on average: accepted drafts plus the target's own one."""
+    if not 0 <= accept <= 1:
+        raise ValueError(f"acceptance rate {accept} must be in [0, 1]")
+    if accept == 1:
+        return k + 1.0
+    return (1 - accept ** (k + 1)) / (1 - accept)
+
+
+def best_k(accept: float, draft_s: float, verify_s_of, k_max: int = 16) -> int:
+    """The draft length with the most tokens per second (`verify_s_of(k)`: a verify's time)."""
+    return max(
+        range(1, k_max + 1),
+        key=lambda k: expected_tokens(accept, k) / (k * draft_s + verify_s_of(k)),
+    )
+
+
+def predict_speculative(
+    spec: ModelSpec,
+    stages: list[Stage] | tuple[Stage, ...],
+    nodes: dict[str, NodeSpec],
+    links: list[LinkSpec],
+    draft: ModelSpec,
+    accept: float,
+    k: int,
+    prompt_tokens: int = 512,
+) -> SpecPrediction:
+    """A layout's decode with a draft on its leader (the first stage's first node)."""
+    plain = predict(spec, stages, nodes, links, prompt_tokens)
+    verify = predict(spec, stages, nodes, links, prompt_tokens, concurrency=k + 1)
+    leader = stages[0].nodes[0]
+    alone = (Stage((leader,), (0, draft.layers), (1.0,)),)
+    drafted = predict(draft, alone, nodes, links, prompt_tokens)
+    return SpecPrediction(
+        accept=accept,
+        k=k,
+        plain_tps=plain.decode_tps,
+        draft_s=1.0 / drafted.decode_tps,
+        verify_s=(k + 1) / verify.batch_tps,
+        tokens_per_step=expected_tokens(accept, k),
+    )
+
+
+def spec_table(spec, plans, cluster, draft, accept: float, k: int, prompt_tokens: int):
+    """`simulate --spec-accept`: each plan with and without the draft (k=0: the best k per
+    plan), and its decode against the best one-node plan without speculation."""
+    from rich.table import Table
+
+    listed, links = cluster.specs()
+    nodes = {n.name: n for n in listed}
+    base = max((p.prediction.decode_tps for p in plans if len(p.nodes) == 1), default=0.0)
+    table = Table("kind", "nodes", "plain tok/s", "k", "spec tok/s", "speedup", "vs one node")
+    table.title = f"speculative decoding, acceptance {accept}" + (
+        f"; vs one node: against {base:.1f} tok/s (the best one-node plan, no draft)"
+        if base
+        else ""
+    )
+    for p in plans:
+
+        def verify_s(kk: int, p=p) -> float:
+            v = predict(spec, p.stages, nodes, links, prompt_tokens, concurrency=kk + 1)
+            return (kk + 1) / v.batch_tps
+
+        kk = k
+        if not kk:
+            one = predict_speculative(spec, p.stages, nodes, links, draft, accept, 1, prompt_tokens)
+            kk = best_k(accept, one.draft_s, verify_s)
+        s = predict_speculative(spec, p.stages, nodes, links, draft, accept, kk, prompt_tokens)
+        table.add_row(
+            p.kind,
+            str(len(p.nodes)),
+            f"{s.plain_tps:.1f}",
+            str(kk),
+            f"{s.decode_tps:.1f}",
+            f"{s.speedup:.2f}x",
+            f"{s.decode_tps / base:.2f}x" if base else "-",
+        )
+    return table

@@ -1,0 +1,43 @@
+"""The simulator's speculative-decoding model: expected tokens per verify step and the step's
+price from the same cost model as plain decode."""
+
+from __future__ import annotations
+
+import pytest
+
+from thunderpool.planner.cost import predict
+from thunderpool.planner.presets import parse_cluster
+from thunderpool.planner.simulate import load_model, simulate
+from thunderpool.planner.speculative import expected_tokens, predict_speculative
+
+
+def test_expected_tokens_per_verify_step():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    with pytest.raises(ValueError, match="1.5"):
+        expected_tokens(1.5, 2)
+
+
+@pytest.fixture(scope="module")
+def tp4():
+    cluster = parse_cluster("4x m3-ultra-512@tb5-rdma")
+    spec = load_model("qwen3-235b-a22b:q8")
+    plan = next(p for p in simulate(spec, cluster) if p.kind == "tp" and len(p.nodes) == 4)
+    listed, links = cluster.specs()
+    return spec, plan, {n.name: n for n in listed}, links
+
+
+def test_a_verify_step_is_priced_as_a_batch_of_k_plus_one(tp4):
+    spec, plan, nodes, links = tp4
+    draft = load_model("qwen3-0.6b:q8")
+    s = predict_speculative(spec, plan.stages, nodes, links, draft, 0.7, 4)
+    assert s.plain_tps == pytest.approx(plan.prediction.decode_tps)
+    five = predict(spec, plan.stages, nodes, links, concurrency=5)
+    assert s.verify_s == pytest.approx(5 / five.batch_tps)
+    # One step costs more than a plain token (more experts read, k drafts) but less than k+1.
+    assert 1 / s.plain_tps < s.verify_s < 5 / s.plain_tps
+    assert s.decode_tps == pytest.approx(s.tokens_per_step / (4 * s.draft_s + s.verify_s))
+    # A draft nobody accepts only costs time; one always accepted gains.
+    assert predict_speculative(spec, plan.stages, nodes, links, draft, 0.0, 4).speedup < 1
+    assert predict_speculative(spec, plan.stages, nodes, links, draft, 1.0, 4).speedup > 1
