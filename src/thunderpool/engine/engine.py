@@ -24,6 +24,8 @@ import mlx.core as mx
 from thunderpool.engine.control import Control
 from thunderpool.engine.executor import Executor
 from thunderpool.engine.plan import STOP_PLAN, StepPlan
+from thunderpool.engine.prefix import PrefixIndex
+from thunderpool.engine.prefix_kv import keepable_tokens
 from thunderpool.engine.runner import Runner
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.scheduler import Emitted, Scheduler
@@ -42,10 +44,13 @@ class Engine:
         max_context: int = 4096,
         eos: set[int] | frozenset[int] = frozenset(),
         pipeline: bool | None = None,
+        prefix_cache_tokens: int = 0,
     ):
         self.runner, self.control = runner, control
         self.executor = Executor(runner, control, pipeline)
-        self.scheduler = Scheduler(prefill_chunk, max_batch, max_context, eos)
+        self.scheduler = Scheduler(
+            prefill_chunk, max_batch, max_context, eos, prefix_index(runner, prefix_cache_tokens)
+        )
         self.plans = 0  # sent so far (tests count them)
         self.wake_s = 0.0  # the last wake-up: from waking the followers to the next plan sent
         self._woke_at = 0.0
@@ -177,6 +182,13 @@ class Engine:
         on_event = self._on_event.get(event.sid)
         if on_event is not None:
             on_event(event)
+
+
+def prefix_index(runner: Runner, budget_tokens: int) -> PrefixIndex | None:
+    """The leader's prefix cache index, or None when off (no budget, or caches that cannot be
+    cut back to a prefix: prefix_kv.py)."""
+    limit = keepable_tokens(runner.make_cache()) if budget_tokens > 0 else 0
+    return PrefixIndex(budget_tokens, limit) if limit > 0 else None
 
 
 def follow(runner: Runner, control: Control) -> None:

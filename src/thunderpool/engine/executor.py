@@ -22,6 +22,7 @@ from thunderpool.engine.batch import BatchState, overlaps
 from thunderpool.engine.control import Control
 from thunderpool.engine.measure import collective_latency, solo_compute
 from thunderpool.engine.plan import Prefill, StepPlan
+from thunderpool.engine.prefix_kv import PrefixStore
 from thunderpool.engine.runner import Runner
 from thunderpool.engine.sampling import Sampler, sample_rows
 from thunderpool.engine.wake import Waker
@@ -43,6 +44,7 @@ class Executor:
         self.pipeline = overlaps(runner) if pipeline is None else pipeline
         self.waker = Waker(control)
         self.samplers: dict[int, Sampler] = {}  # leader: each request's sampler
+        self.prefix = PrefixStore()  # this rank's share of the prefix cache
         self.next: mx.array | None = None  # leader: each row's next input token (B,), lazy
         self._first_logits: mx.array | None = None
         # Leader: called with (sids, logits (B, V)) as their tokens are delivered (traces).
@@ -88,7 +90,13 @@ class Executor:
         lazily (delivered by the burst, or here when the request ends with it)."""
         if self.leads and p.sampling is not None:
             self.samplers[p.sid] = Sampler(p.sampling)
+        if p.reuse is not None:
+            entry, n = p.reuse
+            self.state.start(p.sid, self.prefix.restore(entry, n, self.runner.make_cache()))
         out = self.state.prefill(p.sid, list(p.tokens))
+        self.prefix.evict(p.evict)
+        if p.store is not None:
+            self.prefix.keep(p.store, self.state.pending[p.sid])
         if not (p.last and self.leads):
             # Every rank's prefill completes before any exchange (the collectives' order).
             if out is not None:
