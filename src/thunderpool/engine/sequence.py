@@ -17,6 +17,7 @@ from thunderpool.engine.service import Delta
 class Counters:
     requests_total: int = 0
     prompt_tokens_total: int = 0
+    prompt_tokens_cached_total: int = 0  # of those, reused from the prefix cache
     tokens_generated_total: int = 0
     ttft_seconds: float = 0.0
     recent: deque = field(default_factory=lambda: deque(maxlen=1024))  # (time, tokens)
@@ -83,7 +84,9 @@ class TextEdge:
         self.done = True
         tail = self.text.finish() if self.text is not None else ""
         counts = (ev.prompt_tokens, ev.completion_tokens)
-        self.emit(Delta(delta + tail, reason, *counts, tokens=tokens))
+        self.emit(
+            Delta(delta + tail, reason, *counts, tokens=tokens, cached_tokens=ev.cached_tokens)
+        )
 
     def _count(self, ev: Emitted) -> None:
         self.last_at = now = time.perf_counter()
@@ -95,6 +98,7 @@ class TextEdge:
         if ev.completion_tokens == 1:
             c.requests_total += 1
             c.prompt_tokens_total += ev.prompt_tokens
+            c.prompt_tokens_cached_total += ev.cached_tokens
             c.ttft_seconds = now - self.submitted
         c.tokens_generated_total += 1
         c.recent.append((now, 1))

@@ -76,6 +76,7 @@ def serve(
             "requests_total": c.requests_total,
             "tokens_generated_total": c.tokens_generated_total,
             "prompt_tokens_total": c.prompt_tokens_total,
+            "prompt_tokens_cached_total": c.prompt_tokens_cached_total,
             "ttft_seconds": c.ttft_seconds,
             "decode_tokens_per_second": c.decode_tps(),
             "queue_depth": engine.queue_depth,

@@ -25,6 +25,7 @@ class Delta:
     completion_tokens: int = 0
     error: str | None = None
     tokens: tuple[int, ...] = ()  # the token ids behind this delta
+    cached_tokens: int = 0  # of prompt_tokens, reused from the prefix cache (last delta)
 
 
 @dataclass(frozen=True, slots=True)
