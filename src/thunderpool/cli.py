@@ -159,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt + completion tokens per request (default: the model's limit)",
     )
     srv.add_argument("--prefill-chunk", type=_positive, default=512)
+    srv.add_argument(
+        "--prefix-cache-gb",
+        type=float,
+        default=1.0,
+        help="KV of recent prompts kept for reuse by the next turn, in GiB over all ranks "
+        "(default 1; 0 turns the prefix cache off)",
+    )
 
     from thunderpool.chat import add_chat_parser
     from thunderpool.cluster.cli import add_cluster_args, add_plan_parser

@@ -99,3 +99,26 @@ def test_nothing_is_reused_without_room(budget):
         plan = s.schedule()
         assert (plan.prefill.reuse, plan.prefill.store) == (None, None)
         s.postprocess([sid], [1])
+
+
+def test_planner_counts_the_prefix_cache_as_kv():
+    from thunderpool.planner.cost import NodeSpec
+    from thunderpool.planner.placement import PlacementError, place
+    from thunderpool.planner.spec import model_spec_from_config
+
+    config = {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+    }
+    spec, gib = model_spec_from_config(config), 2**30
+    node = NodeSpec("a", 64 * gib, 48 * gib, 400e9, 30e12, 2 * gib)
+    base = place(spec, [node], [])[0].memory_used["a"]
+    kept = place(spec, [node], [], prefix_cache_bytes=4 * gib)[0].memory_used["a"]
+    assert kept - base == pytest.approx(4 * gib, rel=1e-3)  # 128 KiB of KV per token
+    with pytest.raises(PlacementError, match="prefix cache 40.0 GiB"):
+        place(spec, [node], [], prefix_cache_bytes=40 * gib)

@@ -54,6 +54,7 @@ def serve(
     from mlx_lm.utils import load_tokenizer
 
     from thunderpool.engine.link_server import LeaderServer
+    from thunderpool.engine.prefix import budget_tokens
     from thunderpool.engine.sequence import Counters, TextRequests
 
     tokenizer = load_tokenizer(Path(job.model_dir), eos_token_ids=config.get("eos_token_id"))
@@ -66,6 +67,7 @@ def serve(
         max_batch=task.max_batch,
         max_context=max_context,
         eos=set(tokenizer.eos_token_ids or []),
+        prefix_cache_tokens=budget_tokens(task.prefix_cache_bytes, config),
     )
     counters = Counters()
     loaded_memory = {f"rank{r}_memory_bytes": float(rss) for r, (_, rss) in enumerate(memory)}

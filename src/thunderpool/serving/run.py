@@ -96,7 +96,12 @@ def _local(args, backend: str, model_dir: Path, name: str, max_context: int, tok
         tp_weights=args.tp_weights,
         layer_split=args.layer_split,
         prefill_chunk=args.prefill_chunk,
-        task=ServeTask(model_name=name, max_batch=args.max_batch, max_context=max_context),
+        task=ServeTask(
+            model_name=name,
+            max_batch=args.max_batch,
+            max_context=max_context,
+            prefix_cache_bytes=prefix_cache_bytes(args),
+        ),
         backend=backend,
     )
     # On one host a lost rank is restarted in the same layout; the token authenticates the
@@ -119,12 +124,20 @@ def _cluster(args, name: str, max_context: int, console: Console):
                 model_name=name,
                 max_batch=args.max_batch,
                 max_context=max_context,
+                prefix_cache_bytes=prefix_cache_bytes(args),
             ),
             **layout,
         )
 
     planner = ClusterPlanner(args, make_job, None, console)
     return planner, planner.coord.token, planner.members
+
+
+def prefix_cache_bytes(args) -> float:
+    gb = getattr(args, "prefix_cache_gb", 0.0) or 0.0
+    if gb < 0:
+        raise ThunderpoolError(f"--prefix-cache-gb {gb} is negative; use 0 to turn it off")
+    return gb * 2**30
 
 
 def _watch_members(gateway, members) -> None:
