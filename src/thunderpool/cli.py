@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--modes", type=_modes, default=("tp", "pp"), help="parallel modes (default tp,pp)"
     )
-    bench.add_argument("--prompt-tokens", type=_positive, default=128)
+    bench.add_argument("--prompt-tokens", type=_positive, help="(default 128)")
     bench.add_argument("--max-tokens", type=_positive, default=64)
     bench.add_argument("--repeats", type=_positive, default=3)
     bench.add_argument(
@@ -255,6 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency",
         type=_ints,
         help="also measure continuous batching at these stream counts, e.g. 1,4,8",
+    )
+    bench.add_argument(
+        "--prefix-cache-turns",
+        type=_positive,
+        metavar="N",
+        help="instead, measure the prefix cache on one rank: a two-turn chat's turn-2 TTFT "
+        "against turn 1 (turn 1: --prompt-tokens, default 1500 here) and an N-turn agent "
+        "replay's prefilled tokens, with and without the cache",
     )
     bench.add_argument(
         "--cluster",

@@ -108,3 +108,19 @@ def test_sliding_window_keeps_prompts_under_the_window():
 def test_recurrent_caches_turn_the_cache_off():
     assert prefix_index(built("qwen3_next"), 4096) is None
     assert prefix_index(built("llama"), 4096) is not None
+
+
+def test_prefix_bench_counts_what_the_cache_saves(tiny_models, monkeypatch):
+    from thunderpool.bench import prefix_cache
+
+    sizes = {"SYSTEM_TOKENS": 50, "TOOL_RESULT_TOKENS": 10, "CALL_TOKENS": 4, "ANSWER_TOKENS": 4}
+    for name, n in sizes.items():
+        monkeypatch.setattr(prefix_cache, name, n)
+    out = prefix_cache.bench_prefix_cache(tiny_models["llama"], first_turn=30, repeats=1, turns=3)
+    two, replay = out["two_turn"], out["agent_replay"]
+    assert two["identical_tokens"] and replay["identical_tokens"]
+    assert two["turn2_cached_tokens"] == 30
+    # Turn k reuses turn k-1's whole prompt: only answers and tool results are prefilled.
+    assert replay["nocache"]["prefilled_tokens"] == replay["cache"]["prompt_tokens"]
+    assert replay["cache"]["prompt_tokens"] == 50 + 64 + 78
+    assert replay["cache"]["prefilled_tokens"] == 50 + 14 + 14
