@@ -21,6 +21,7 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "tokens_generated_total": ("counter", "Completion tokens generated."),
     "prompt_tokens_total": ("counter", "Prompt tokens prefilled."),
     "prompt_tokens_cached_total": ("counter", "Prompt tokens reused from the prefix cache."),
+    "prefix_cache_hit_rate": ("gauge", "Prompt tokens reused over prompt tokens looked up."),
     "ttft_seconds": ("gauge", "Time to first token of the most recent request."),
     "decode_tokens_per_second": ("gauge", "Recent aggregate decode throughput."),
     "queue_depth": ("gauge", "Requests waiting to join the running batch."),
