@@ -124,3 +124,18 @@ def test_prefix_bench_counts_what_the_cache_saves(tiny_models, monkeypatch):
     assert replay["nocache"]["prefilled_tokens"] == replay["cache"]["prompt_tokens"]
     assert replay["cache"]["prompt_tokens"] == 50 + 64 + 78
     assert replay["cache"]["prefilled_tokens"] == 50 + 14 + 14
+
+
+def test_the_last_delta_and_the_counters_report_cached_tokens(runner):
+    from thunderpool.engine.sequence import Counters, TextRequests
+
+    engine = Engine(runner, Control(runner.group), prefill_chunk=16, prefix_cache_tokens=4096)
+    counters, last = Counters(), []
+    requests = TextRequests(engine, None, counters)
+    prompt = tokens(30, 9)
+    for _ in range(2):
+        requests.submit(prompt, GREEDY, lambda d: d.finish_reason and last.append(d))
+        while engine.step():
+            pass
+    assert [(d.prompt_tokens, d.cached_tokens) for d in last] == [(30, 0), (30, 29)]
+    assert (counters.prompt_tokens_total, counters.prefix_cache_hit_tokens_total) == (60, 29)

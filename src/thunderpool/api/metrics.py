@@ -20,12 +20,11 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "requests_total": ("counter", "Requests the engine has accepted."),
     "tokens_generated_total": ("counter", "Completion tokens generated."),
     "prompt_tokens_total": ("counter", "Prompt tokens prefilled."),
-    "prompt_tokens_cached_total": ("counter", "Prompt tokens reused from the prefix cache."),
-    "prefix_cache_hit_rate": ("gauge", "Prompt tokens reused over prompt tokens looked up."),
     "ttft_seconds": ("gauge", "Time to first token of the most recent request."),
     "decode_tokens_per_second": ("gauge", "Recent aggregate decode throughput."),
     "queue_depth": ("gauge", "Requests waiting to join the running batch."),
     "active_requests": ("gauge", "Requests in the running batch."),
+    "prefix_cache_hit_tokens_total": ("counter", "Prompt tokens reused from the prefix cache."),
 }
 _RANK_MEMORY = re.compile(r"rank(\d+)_memory_bytes")
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")

@@ -17,7 +17,8 @@ from thunderpool.engine.service import Delta
 class Counters:
     requests_total: int = 0
     prompt_tokens_total: int = 0
-    prompt_tokens_cached_total: int = 0  # of those, reused from the prefix cache
+    # The prompt tokens the prefix cache reused; the hit rate is this / prompt_tokens_total.
+    prefix_cache_hit_tokens_total: int = 0
     tokens_generated_total: int = 0
     ttft_seconds: float = 0.0
     recent: deque = field(default_factory=lambda: deque(maxlen=1024))  # (time, tokens)
@@ -98,7 +99,7 @@ class TextEdge:
         if ev.completion_tokens == 1:
             c.requests_total += 1
             c.prompt_tokens_total += ev.prompt_tokens
-            c.prompt_tokens_cached_total += ev.cached_tokens
+            c.prefix_cache_hit_tokens_total += ev.cached_tokens
             c.ttft_seconds = now - self.submitted
         c.tokens_generated_total += 1
         c.recent.append((now, 1))

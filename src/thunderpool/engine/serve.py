@@ -73,14 +73,12 @@ def serve(
     loaded_memory = {f"rank{r}_memory_bytes": float(rss) for r, (_, rss) in enumerate(memory)}
 
     def metrics() -> dict[str, float]:
-        c, prefix = counters, engine.scheduler.prefix
+        c = counters
         return loaded_memory | {
             "requests_total": c.requests_total,
             "tokens_generated_total": c.tokens_generated_total,
             "prompt_tokens_total": c.prompt_tokens_total,
-            "prompt_tokens_cached_total": c.prompt_tokens_cached_total,
-            "prefix_cache_hit_rate": prefix.hit_rate if prefix else 0.0,
-            "prefix_cache_tokens": prefix.used if prefix else 0,
+            "prefix_cache_hit_tokens_total": c.prefix_cache_hit_tokens_total,
             "ttft_seconds": c.ttft_seconds,
             "decode_tokens_per_second": c.decode_tps(),
             "queue_depth": engine.queue_depth,
