@@ -84,11 +84,6 @@ class PrefixIndex:
         self.used = left + n
         return Stored(entry, tuple(evict))
 
-    @property
-    def hit_rate(self) -> float:
-        """Prompt tokens reused over prompt tokens looked up."""
-        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
-
 
 def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     """Length of the longest common prefix; compares blocks of tokens at C speed first."""

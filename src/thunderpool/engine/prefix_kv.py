@@ -64,7 +64,3 @@ class PrefixStore:
     def evict(self, entries: tuple[int, ...]) -> None:
         for entry in entries:
             self.entries.pop(entry, None)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for kept in self.entries.values() for k, v in kept)
