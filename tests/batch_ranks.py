@@ -50,6 +50,7 @@ def run_scenario(runner, control: Control, tokenizer, spec: dict) -> dict:
         max_batch=spec.get("max_batch", 8),
         eos=set(spec.get("eos") or ()),
         pipeline=spec.get("pipeline"),
+        prefix_cache_tokens=spec.get("prefix_cache_tokens", 0),
     )
     sched = TextRequests(engine, tokenizer)
     reqs, cancels = spec["requests"], [tuple(c) for c in spec.get("cancel", [])]
@@ -83,6 +84,7 @@ def run_scenario(runner, control: Control, tokenizer, spec: dict) -> dict:
         per_token.append((dict(counts), control.collectives))
         if d.finish_reason:
             o["reason"], o["completion"] = d.finish_reason, d.completion_tokens
+            o["cached"] = d.cached_tokens
             events.append(["finish", i])
         n = len(o["tokens"])
         for j, r in enumerate(reqs):

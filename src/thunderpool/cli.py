@@ -202,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="add each prompt's text to its access-log line (off: prompts stay private)",
     )
     _add_speculation(srv)
+    srv.add_argument(
+        "--prefix-cache-gb",
+        type=float,
+        default=1.0,
+        help="KV of recent prompts kept for reuse by the next turn, in GiB over all ranks "
+        "(default 1; 0 turns the prefix cache off)",
+    )
 
     from thunderpool.chat import add_chat_parser
     from thunderpool.cluster.cli import add_cluster_args, add_plan_parser
@@ -273,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of --draft-model, a draft cut from the model's first N layers "
         "(written to the cache once; for --synthetic models)",
     )
-    bench.add_argument("--prompt-tokens", type=_positive, default=128)
+    bench.add_argument("--prompt-tokens", type=_positive, help="(default 128)")
     bench.add_argument("--max-tokens", type=_positive, default=64)
     bench.add_argument("--repeats", type=_positive, default=3)
     bench.add_argument(
@@ -305,6 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead, measure decode tok/s with a JSON-schema grammar against without, "
         "on one rank",
+    )
+    bench.add_argument(
+        "--prefix-cache-turns",
+        type=_positive,
+        metavar="N",
+        help="instead, measure the prefix cache on one rank: a two-turn chat's turn-2 TTFT "
+        "against turn 1 (turn 1: --prompt-tokens, default 1500 here) and an N-turn agent "
+        "replay's prefilled tokens, with and without the cache",
     )
     bench.add_argument(
         "--cluster",

@@ -203,6 +203,8 @@ def bench(args: argparse.Namespace) -> int:
     from thunderpool.cluster.mpi import resolve_backend
 
     _same_blas_as_ranks()
+    # The prefix cache's two-turn chat has its own default first turn.
+    args.prompt_tokens = args.prompt_tokens or (1500 if args.prefix_cache_turns else 128)
     backend = resolve_backend(args, max(args.nodes))
     console = Console()
     if args.synthetic:
@@ -234,6 +236,8 @@ def bench(args: argparse.Namespace) -> int:
     from thunderpool.models.source import resolve_model
 
     model_dir = resolve_model(args.model)
+    if args.prefix_cache_turns:
+        return _bench_prefix_cache(model_dir, args, console)
     if any(n < 1 for n in args.nodes):
         raise ThunderpoolError(f"--nodes {args.nodes} must all be >= 1")
     _guard_bench(model_dir, args, console)
@@ -256,6 +260,21 @@ def bench(args: argparse.Namespace) -> int:
         tp_weights=args.tp_weights,
         compile=args.compile,
     )
+    return 0
+
+
+def _bench_prefix_cache(model_dir: Path, args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    from thunderpool.bench.prefix_cache import bench_prefix_cache, print_prefix_report
+
+    with console.status("prefix cache: two-turn chat and agent replay on one rank"):
+        result = bench_prefix_cache(
+            model_dir, args.prompt_tokens, args.repeats, args.prefix_cache_turns
+        )
+    print_prefix_report(result, console)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 
 

@@ -22,7 +22,9 @@ from thunderpool.engine.service import EngineStatus
 KEY = "sk-test-key"
 HI = [{"role": "user", "content": "Hi"}]
 HI_TOKENS = len(chat_text(("user", "Hi")))  # 19: one token per character
+NOT_CACHED = {"prompt_tokens_details": {"cached_tokens": 0}}  # the fake engine has no cache
 USAGE = {"prompt_tokens": HI_TOKENS, "completion_tokens": 2, "total_tokens": HI_TOKENS + 2}
+USAGE |= NOT_CACHED
 
 
 @pytest.fixture
@@ -170,11 +172,15 @@ def test_max_tokens_reached_is_length(client):
     r = chat(client, max_tokens=1)
     assert r.json()["choices"][0]["finish_reason"] == "length"
     assert r.json()["choices"][0]["message"]["content"] == "Hello"
-    assert r.json()["usage"] == {
-        "prompt_tokens": HI_TOKENS,
-        "completion_tokens": 1,
-        "total_tokens": HI_TOKENS + 1,
-    }
+    assert (
+        r.json()["usage"]
+        == {
+            "prompt_tokens": HI_TOKENS,
+            "completion_tokens": 1,
+            "total_tokens": HI_TOKENS + 1,
+        }
+        | NOT_CACHED
+    )
 
 
 @pytest.mark.parametrize("prompt", ["Say hi", ["Say hi"]])
@@ -188,7 +194,7 @@ def test_completion_non_streamed(client, engine, prompt):
         "object": "text_completion",
         "model": MODEL,
         "choices": [{"index": 0, "text": "Hello world", "finish_reason": "stop", "logprobs": None}],
-        "usage": {"prompt_tokens": 6, "completion_tokens": 2, "total_tokens": 8},
+        "usage": {"prompt_tokens": 6, "completion_tokens": 2, "total_tokens": 8} | NOT_CACHED,
         "system_fingerprint": None,
     }
     assert engine.calls[0][0] == [ord(c) for c in "Say hi"]
@@ -242,7 +248,8 @@ def test_completion_streamed(client):
         [{"index": 0, "text": "", "finish_reason": "stop", "logprobs": None}],
         [],
     ]
-    assert got[-1]["usage"] == {"prompt_tokens": 6, "completion_tokens": 2, "total_tokens": 8}
+    usage = {"prompt_tokens": 6, "completion_tokens": 2, "total_tokens": 8}
+    assert got[-1]["usage"] == usage | NOT_CACHED
 
 
 # --- errors -----------------------------------------------------------------------------
@@ -583,7 +590,9 @@ def test_official_openai_client(live):
     out = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=16)
     assert out.choices[0].message.content == "Hello world"
     assert out.choices[0].finish_reason == "stop"
-    assert out.usage.model_dump(include=set(USAGE)) == USAGE
+    counts = {k: v for k, v in USAGE.items() if k not in NOT_CACHED}
+    assert out.usage.model_dump(include=set(counts)) == counts
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
 
     events = list(
         client.chat.completions.create(

@@ -25,6 +25,7 @@ from thunderpool.api.schemas import (
     Completion,
     CompletionChoice,
     ErrorBody,
+    PromptTokensDetails,
     Usage,
 )
 from thunderpool.api.sse import DONE, close_quietly, event
@@ -56,6 +57,7 @@ class Job:
             prompt_tokens=p,
             completion_tokens=last.completion_tokens,
             total_tokens=p + last.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=last.cached_tokens),
         )
 
     def choice_params(self, i: int) -> SamplingParams:

@@ -121,6 +121,7 @@ def ranked_plans(args: argparse.Namespace, state: ClusterState):
         links,
         context_tokens=getattr(args, "context", 4096),
         concurrency=concurrency if isinstance(concurrency, int) else 1,
+        prefix_cache_bytes=(getattr(args, "prefix_cache_gb", 0.0) or 0.0) * 2**30,
     )
 
 

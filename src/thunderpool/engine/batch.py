@@ -41,6 +41,10 @@ class BatchState:
         self.lone = False  # self.batch is one row's own prefix cache, not a batch cache
         self.rows: list[int] = []  # sequence id of each batch row
 
+    def start(self, sid: int, cache: list) -> None:
+        """Row `sid` prefills on `cache`, which holds a cached prefix of its prompt."""
+        self.pending[sid] = cache
+
     def prefill(self, sid: int, tokens: list[int]) -> mx.array | None:
         cache = self.pending.setdefault(sid, self.runner.make_cache())
         return self.runner.forward(mx.array([tokens]), cache)

@@ -26,6 +26,8 @@ import mlx.core as mx
 from thunderpool.engine.control import Control
 from thunderpool.engine.executor import Executor
 from thunderpool.engine.plan import STOP_PLAN, StepPlan
+from thunderpool.engine.prefix import PrefixIndex
+from thunderpool.engine.prefix_kv import keepable_tokens
 from thunderpool.engine.runner import Runner
 from thunderpool.engine.sampling import Sampler, SamplingParams
 from thunderpool.engine.scheduler import Emitted, Scheduler
@@ -46,6 +48,7 @@ class Engine:
         pipeline: bool | None = None,
         tokenizer=None,
         drafter=None,
+        prefix_cache_tokens: int = 0,
     ):
         """`tokenizer` (mlx-lm's, the leader's): lets requests carry a json_schema."""
         self.runner, self.control = runner, control
@@ -55,7 +58,9 @@ class Engine:
             from thunderpool.engine.constraint import Grammars
 
             self.executor.make_sampler = partial(Sampler, grammars=Grammars(tokenizer))
-        self.scheduler = Scheduler(prefill_chunk, max_batch, max_context, eos)
+        self.scheduler = Scheduler(
+            prefill_chunk, max_batch, max_context, eos, prefix_index(runner, prefix_cache_tokens)
+        )
         self.plans = 0  # sent so far (tests count them)
         self.wake_s = 0.0  # the last wake-up: from waking the followers to the next plan sent
         self._woke_at = 0.0
@@ -109,6 +114,8 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return False
+        if (pre := plan.prefill) is not None and pre.reuse is not None:
+            self.executor.reused_heads[pre.sid] = self.scheduler.prompt(pre.sid)[: pre.reuse[1]]
         self._note_queue_time(plan)
         if self.executor.drafter is not None:
             from dataclasses import replace
@@ -220,6 +227,13 @@ class Engine:
         on_event = self._on_event.get(event.sid)
         if on_event is not None:
             on_event(event)
+
+
+def prefix_index(runner: Runner, budget_tokens: int) -> PrefixIndex | None:
+    """The leader's prefix cache index, or None when off (no budget, or caches that cannot be
+    cut back to a prefix: prefix_kv.py)."""
+    limit = keepable_tokens(runner.make_cache()) if budget_tokens > 0 else 0
+    return PrefixIndex(budget_tokens, limit) if limit > 0 else None
 
 
 def follow(runner: Runner, control: Control) -> None:

@@ -23,6 +23,7 @@ from thunderpool.engine.control import Control
 from thunderpool.engine.logits import TokenLogprob
 from thunderpool.engine.measure import collective_latency, solo_compute
 from thunderpool.engine.plan import Prefill, StepPlan
+from thunderpool.engine.prefix_kv import PrefixStore
 from thunderpool.engine.runner import Runner
 from thunderpool.engine.sampling import Sampler, SamplingParams, sample_rows
 from thunderpool.engine.wake import Waker
@@ -63,6 +64,9 @@ class Executor:
         self.samplers: dict[int, Sampler] = {}  # leader: each request's sampler
         # Leader: makes a request's sampler (the engine binds its tokenizer's grammars).
         self.make_sampler: Callable[[SamplingParams], Sampler] = Sampler
+        self.prefix = PrefixStore()  # this rank's share of the prefix cache
+        # Leader: the prompt tokens a plan's prefix-cache reuse skips, by request (engine.py).
+        self.reused_heads: dict[int, tuple[int, ...]] = {}
         self.next: mx.array | None = None  # leader: each row's next input token (B,), lazy
         self._first_logits: mx.array | None = None
         # Leader: called with (sids, logits (B, V)) as their tokens are delivered (traces).
@@ -117,11 +121,19 @@ class Executor:
         lazily (delivered by the burst, or here when the request ends with it)."""
         if self.leads and p.sampling is not None:
             self.samplers[p.sid] = self.make_sampler(p.sampling)
+        # The leader's penalties and draft see the whole prompt, the reused head included.
+        seen = (*self.reused_heads.pop(p.sid, ()), *p.tokens) if self.leads else p.tokens
         if self.leads and (sampler := self.samplers.get(p.sid)) is not None:
-            sampler.observe_prompt(p.tokens)  # the repetition penalty covers the prompt
+            sampler.observe_prompt(seen)  # the repetition penalty covers the prompt
         if self.drafter is not None:
-            self.drafter.extend(p.sid, list(p.tokens))
+            self.drafter.extend(p.sid, list(seen))
+        if p.reuse is not None:
+            entry, n = p.reuse
+            self.state.start(p.sid, self.prefix.restore(entry, n, self.runner.make_cache()))
         out = self.state.prefill(p.sid, list(p.tokens))
+        self.prefix.evict(p.evict)
+        if p.store is not None:
+            self.prefix.keep(p.store, self.state.pending[p.sid])
         if not (p.last and self.leads):
             # Every rank's prefill completes before any exchange (the collectives' order).
             if out is not None:

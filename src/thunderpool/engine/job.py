@@ -52,6 +52,7 @@ class ServeTask(_Frozen):
     model_name: str
     max_batch: int = Field(8, ge=1)
     max_context: int | None = Field(None, ge=2)
+    prefix_cache_bytes: float = Field(0.0, ge=0)  # KV of kept prompts, all ranks together
 
 
 Task = Annotated[GenerateTask | TraceTask | BenchTask | ServeTask, Field(discriminator="kind")]

@@ -29,12 +29,18 @@ def _sampling_json(p: SamplingParams) -> dict:
 @dataclass(frozen=True, slots=True)
 class Prefill:
     """One prompt chunk of request `sid`; `sampling` rides on its first chunk (the leader
-    makes the request's sampler from it) and `last` marks the prompt's last chunk."""
+    makes the request's sampler from it) and `last` marks the prompt's last chunk.
+    Prefix cache (prefix.py): `reuse` (entry, n) starts the row from the entry's first n
+    tokens (this chunk starts at n); after the chunk, `evict` entries are freed and the
+    prompt's KV is kept as entry `store`."""
 
     sid: int
     tokens: tuple[int, ...]
     last: bool
     sampling: SamplingParams | None = None
+    reuse: tuple[int, int] | None = None
+    store: int | None = None
+    evict: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +75,12 @@ class StepPlan:
             d["pre"] = [p.sid, list(p.tokens), int(p.last)]
             if p.sampling is not None:
                 d["pre"].append(_sampling_json(p.sampling))
+            if p.reuse is not None:
+                d["reuse"] = list(p.reuse)
+            if p.store is not None:
+                d["store"] = p.store
+            if p.evict:
+                d["evict"] = list(p.evict)
         if self.join:
             d["join"] = list(self.join)
         if self.decode:
@@ -86,7 +98,15 @@ class StepPlan:
         if "pre" in d:
             sid, tokens, last, *sampling = d["pre"]
             params = _SAMPLING.validate_python(sampling[0]) if sampling else None
-            prefill = Prefill(int(sid), tuple(int(t) for t in tokens), bool(last), params)
+            prefill = Prefill(
+                int(sid),
+                tuple(int(t) for t in tokens),
+                bool(last),
+                params,
+                reuse=(int(d["reuse"][0]), int(d["reuse"][1])) if "reuse" in d else None,
+                store=int(d["store"]) if "store" in d else None,
+                evict=tuple(int(e) for e in d.get("evict", ())),
+            )
         return cls(
             op=d["op"],
             drop=tuple(int(s) for s in d.get("drop", ())),

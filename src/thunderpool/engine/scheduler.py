@@ -6,7 +6,9 @@ row. Finished and cancelled rows leave the batch in the next plan, which frees t
 every rank. While a burst runs, the executor asks `last_step()` before it issues each step: the
 step must be the burst's last when a row is done for sure by max_tokens/max_context once that
 step's token is in, a row already finished (eos, cancelled), or a request could join. Rows that
-finished mid-burst get their extra tokens discarded by `postprocess`.
+finished mid-burst get their extra tokens discarded by `postprocess`. With a prefix cache
+(prefix.py), a request starts prefilling after its longest cached prefix, and its prompt's KV is
+kept when its last chunk runs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 from thunderpool.engine.logits import TokenLogprob
 from thunderpool.engine.plan import Prefill, StepPlan
+from thunderpool.engine.prefix import PrefixIndex
 from thunderpool.engine.sampling import SamplingParams
 
 
@@ -28,6 +31,7 @@ class Request:
     generated: int = 0  # tokens delivered
     issued: int = 0  # tokens sampled or in flight (delivered + issued steps)
     finished: bool = False
+    cached: int = 0  # prompt tokens reused from the prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +47,7 @@ class Emitted:
     error: str | None = None
     queued_s: float | None = None  # on the first token: from submit to its first prefill plan
     logprob: TokenLogprob | None = None  # the engine adds it where the request asked
+    cached_tokens: int = 0  # of prompt_tokens, reused from the prefix cache
 
 
 class Scheduler:
@@ -52,9 +57,11 @@ class Scheduler:
         max_batch: int = 8,
         max_context: int = 4096,
         eos: frozenset[int] | set[int] = frozenset(),
+        prefix: PrefixIndex | None = None,
     ):
         self.prefill_chunk, self.max_batch, self.max_context = prefill_chunk, max_batch, max_context
         self.eos = set(eos)
+        self.prefix = prefix
         self.waiting: deque[Request] = deque()
         self.prefilling: Request | None = None
         self.active: list[Request] = []  # the batch rows, in row order
@@ -92,6 +99,9 @@ class Scheduler:
     def running(self) -> int:
         return len(self.active) + (1 if self.prefilling else 0)
 
+    def prompt(self, sid: int) -> tuple[int, ...]:
+        return self._live[sid].prompt
+
     def live(self) -> list[Request]:
         return list(self._live.values())
 
@@ -105,14 +115,27 @@ class Scheduler:
             self.prefilling = None
         for sid in drop:
             self._live.pop(sid, None)
+        reuse = None
         if self.prefilling is None and self.waiting and len(self.active) < self.max_batch:
             self.prefilling = self.waiting.popleft()
+            if self.prefix is not None and (hit := self.prefix.lookup(self.prefilling.prompt)):
+                self.prefilling.prefilled = self.prefilling.cached = hit.tokens
+                reuse = (hit.entry, hit.tokens)
         prefill, join = None, ()
         if (req := self.prefilling) is not None:
             chunk = req.prompt[req.prefilled : req.prefilled + self.prefill_chunk]
-            first, req.prefilled = req.prefilled == 0, req.prefilled + len(chunk)
+            first, req.prefilled = req.prefilled == req.cached, req.prefilled + len(chunk)
             last = req.prefilled == len(req.prompt)
-            prefill = Prefill(req.sid, chunk, last, req.params if first else None)
+            kept = self.prefix.store(req.prompt) if last and self.prefix is not None else None
+            prefill = Prefill(
+                req.sid,
+                chunk,
+                last,
+                req.params if first else None,
+                reuse=reuse,
+                store=kept.entry if kept else None,
+                evict=kept.evict if kept else (),
+            )
             if last:
                 self.prefilling, req.issued = None, 1
                 if self._at_limit(req, 1):
@@ -169,7 +192,8 @@ class Scheduler:
             else:
                 reason = None
             req.finished = reason is not None
-            out.append(Emitted(sid, token, reason, len(req.prompt), req.generated))
+            n = (len(req.prompt), req.generated)
+            out.append(Emitted(sid, token, reason, *n, cached_tokens=req.cached))
         return out
 
     def _at_limit(self, req: Request, generated: int) -> bool:

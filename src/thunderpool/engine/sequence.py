@@ -23,6 +23,8 @@ class Counters:
 
     requests_total: int = 0
     prompt_tokens_total: int = 0
+    # The prompt tokens the prefix cache reused; the hit rate is this / prompt_tokens_total.
+    prefix_cache_hit_tokens_total: int = 0
     tokens_generated_total: int = 0
     # The prefix cache adds the prompt tokens it reused (via `prompted`); the hit rate is
     # prefix_cache_hit_tokens_total / prompt_tokens_total.
@@ -119,7 +121,7 @@ class TextEdge:
         tail = self.text.finish() if self.text is not None else ""
         counts = (ev.prompt_tokens, ev.completion_tokens)
         timing["elapsed_s"] = self.last_at - self.submitted
-        kw = {"tokens": tokens, "logprobs": logprobs, **timing}
+        kw = {"tokens": tokens, "logprobs": logprobs, "cached_tokens": ev.cached_tokens, **timing}
         self.emit(Delta(delta + tail, reason, *counts, **kw))
 
     def _count(self, ev: Emitted) -> dict[str, float | None]:
@@ -137,7 +139,7 @@ class TextEdge:
         if c is None:
             return timing
         if first:
-            c.prompted(ev.prompt_tokens)
+            c.prompted(ev.prompt_tokens, ev.cached_tokens)
             c.ttft_seconds = now - self.submitted
         c.generated(now)
         return timing

@@ -55,6 +55,7 @@ def serve(
     from mlx_lm.utils import load_tokenizer
 
     from thunderpool.engine.link_server import LeaderServer
+    from thunderpool.engine.prefix import budget_tokens
     from thunderpool.engine.sequence import Counters, TextRequests
 
     tokenizer = load_tokenizer(Path(job.model_dir), eos_token_ids=config.get("eos_token_id"))
@@ -69,6 +70,7 @@ def serve(
         eos=set(tokenizer.eos_token_ids or []),
         tokenizer=tokenizer,
         drafter=drafter_for(job),
+        prefix_cache_tokens=budget_tokens(task.prefix_cache_bytes, config),
     )
     counters = Counters()
     loaded_memory = {f"rank{r}_memory_bytes": float(rss) for r, (_, rss) in enumerate(memory)}

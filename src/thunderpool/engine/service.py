@@ -34,6 +34,7 @@ class Delta:
     gap_s: float | None = None
     elapsed_s: float | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked
+    cached_tokens: int = 0  # of prompt_tokens, reused from the prefix cache (last delta)
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,6 +72,7 @@ class _Needs:
     concurrency: int
     kv_dtype_bytes: float
     prompt_tokens: int
+    prefix_tokens: int = 0  # the prefix cache's budget, in tokens of KV (all nodes together)
 
 
 def place(
@@ -82,11 +83,13 @@ def place(
     concurrency: int = 1,
     kv_dtype_bytes: float = 2,
     prompt_tokens: int | None = None,
+    prefix_cache_bytes: float = 0,
 ) -> list[Plan]:
     """Every plan that fits, fastest predicted decode first; PlacementError if none does.
 
     Speed is predicted for decode right after a `prompt_tokens` prompt (default: 512 or the
-    context, whichever is smaller); memory is reserved for the full context x concurrency.
+    context, whichever is smaller); memory is reserved for the full context x concurrency,
+    plus the prefix cache's `prefix_cache_bytes` of KV, spread over the nodes as the KV is.
     """
     if not nodes:
         raise PlacementError("no nodes to place the model on; start `thunderpool node` on one")
@@ -97,8 +100,14 @@ def place(
     names = [n.name for n in nodes]
     if len(set(names)) != len(names):
         raise PlacementError(f"node names must be unique, got {names}")
+    kv_token = spec.kv_bytes_per_token(kv_dtype_bytes)
+    prefix = int(prefix_cache_bytes // kv_token) if kv_token and prefix_cache_bytes > 0 else 0
     needs = _Needs(
-        context_tokens, concurrency, kv_dtype_bytes, prompt_tokens or min(512, context_tokens)
+        context_tokens,
+        concurrency,
+        kv_dtype_bytes,
+        prompt_tokens or min(512, context_tokens),
+        prefix,
     )
     by_name = {n.name: n for n in nodes}
     plans = []
@@ -151,7 +160,7 @@ def memory_use(
 ) -> dict[str, int]:
     """Bytes each node needs: weights + KV (context x concurrency) + activations + OS reserve."""
     used = {}
-    tokens = needs.context_tokens * needs.concurrency
+    tokens = needs.context_tokens * needs.concurrency + needs.prefix_tokens
     chunk = min(PREFILL_CHUNK, needs.context_tokens)
     for k, stage in enumerate(stages):
         for share in shares(spec, stage):
@@ -334,11 +343,12 @@ def _refusal(spec: ModelSpec, nodes: list[NodeSpec], needs: _Needs) -> str:
     """How much memory is missing and what would make the model fit."""
     gib = lambda x: f"{x / GiB:.1f} GiB"  # noqa: E731
     kv_token = spec.kv_bytes_per_token(needs.kv_dtype_bytes)
-    kv = kv_token * needs.context_tokens * needs.concurrency
+    kv = kv_token * (needs.context_tokens * needs.concurrency + needs.prefix_tokens)
     reserve = sum(n.os_reserve_bytes for n in nodes)
     need = spec.total_bytes + kv + reserve
     have = sum(n.available_bytes for n in nodes)
     missing = need - have
+    prefix = f" + prefix cache {gib(kv_token * needs.prefix_tokens)}" if needs.prefix_tokens else ""
     fixes = []
     room = have - spec.total_bytes - reserve
     if room > 0 and kv_token:
@@ -357,6 +367,6 @@ def _refusal(spec: ModelSpec, nodes: list[NodeSpec], needs: _Needs) -> str:
     return (
         f"{spec.model_type} does not fit: {head}. It needs {gib(need)} (weights "
         f"{gib(spec.total_bytes)} + KV cache {gib(kv)} for {needs.context_tokens} tokens x "
-        f"{needs.concurrency} + OS reserve {gib(reserve)}, plus activations) and "
+        f"{needs.concurrency}{prefix} + OS reserve {gib(reserve)}, plus activations) and "
         f"{len(nodes)} node(s) have {gib(have)} available. Use " + ", or ".join(fixes) + "."
     )

@@ -112,7 +112,12 @@ def _local(args, backend: str, model_dir: Path, name: str, max_context: int, tok
         expert_split=expert_split,
         prefill_chunk=args.prefill_chunk,
         compile=args.compile,
-        task=ServeTask(model_name=name, max_batch=args.max_batch, max_context=max_context),
+        task=ServeTask(
+            model_name=name,
+            max_batch=args.max_batch,
+            max_context=max_context,
+            prefix_cache_bytes=prefix_cache_bytes(args),
+        ),
         backend=backend,
         **draft_fields(args),
     )
@@ -138,6 +143,7 @@ def _cluster(args, name: str, max_context: int, console: Console):
                 model_name=name,
                 max_batch=args.max_batch,
                 max_context=max_context,
+                prefix_cache_bytes=prefix_cache_bytes(args),
             ),
             **layout,
             **draft_fields(args),
@@ -145,6 +151,13 @@ def _cluster(args, name: str, max_context: int, console: Console):
 
     planner = ClusterPlanner(args, make_job, None, console)
     return planner, planner.coord.token, planner.members
+
+
+def prefix_cache_bytes(args) -> float:
+    gb = getattr(args, "prefix_cache_gb", 0.0) or 0.0
+    if gb < 0:
+        raise ThunderpoolError(f"--prefix-cache-gb {gb} is negative; use 0 to turn it off")
+    return gb * 2**30
 
 
 def _watch_members(gateway, members) -> None:
