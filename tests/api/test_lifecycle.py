@@ -141,7 +141,11 @@ def test_32_streaming_clients_get_exactly_their_answers_alone(server, alone):
     # Every finished row left the batch and its KV cache was freed on the leader.
     assert wait_until(lambda: server.metric("active_requests") == 0, timeout=10)
     time.sleep(1.5)
-    assert server.metric("leader_mlx_active_bytes") == baseline
+    # Compiled decode steps keep a few small constants per batch size they traced (280 bytes
+    # here); one leaked row's KV is >= 64 KiB (256 preallocated tokens x 256 B on the leader).
+    # The prefix cache holds the prompts since `alone` ran them, so it adds nothing here.
+    grown = server.metric("leader_mlx_active_bytes") - baseline
+    assert 0 <= grown < 4096, grown
 
 
 def test_a_killed_local_rank_is_restarted_and_serves_the_same_text(server, alone):

@@ -50,6 +50,7 @@ class Finish:
     prompt_tokens: int
     completion_tokens: int
     stop_sequence: str | None = None
+    cached_tokens: int = 0  # of prompt_tokens, reused from the prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +175,7 @@ def _finish(
         reason = "tool_calls"
     elif reason == "stop":
         stop = _stop_sequence(engine.tokenizer, tokens, shown, a.stops) or None
-    return Finish(reason, usage.prompt_tokens, usage.completion_tokens, stop)
+    return Finish(reason, usage.prompt_tokens, usage.completion_tokens, stop, last.cached_tokens)
 
 
 async def collect_turn(engine: EngineClient, admitted: Admitted) -> Turn:

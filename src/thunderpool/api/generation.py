@@ -69,7 +69,10 @@ class Job:
 def total_usage(usages: list[Usage]) -> Usage:
     """The prompt counts once (it is the same prompt), completions add up."""
     p, c = usages[0].prompt_tokens, sum(u.completion_tokens for u in usages)
-    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    details = usages[0].prompt_tokens_details
+    return Usage(
+        prompt_tokens=p, completion_tokens=c, total_tokens=p + c, prompt_tokens_details=details
+    )
 
 
 @dataclass(frozen=True, slots=True)

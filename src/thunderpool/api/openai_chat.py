@@ -25,6 +25,7 @@ from thunderpool.api.schemas import (
     ChatCompletionChunk,
     ChatDelta,
     ChatRequest,
+    PromptTokensDetails,
     Usage,
 )
 from thunderpool.api.sse import DONE, event
@@ -132,6 +133,7 @@ def _usage(f: Finish) -> Usage:
         prompt_tokens=f.prompt_tokens,
         completion_tokens=f.completion_tokens,
         total_tokens=f.prompt_tokens + f.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=f.cached_tokens),
     )
 
 

@@ -221,7 +221,7 @@ def _call_item(c: Call, status: str = "completed") -> dict[str, Any]:
 def _usage(f: Finish) -> dict[str, Any]:
     return {
         "input_tokens": f.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": f.cached_tokens},
         "output_tokens": f.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": f.prompt_tokens + f.completion_tokens,
