@@ -1,7 +1,7 @@
 """The family matrix: every family we accept, sharded every way, against the unsharded model.
 
 Reference: mlx-lm's own model, one process, full forward of the whole sequence at every step
-(no KV cache). Expected: identical greedy tokens over 32 steps and fp32 logits within
+(no KV cache). Expected: identical greedy tokens over 20 steps and fp32 logits within
 atol=rtol=1e-4 (measured differences are ~1e-5, from the different summation order; 5e-4 for
 qwen3_next, whose cached recurrence differs from the full form on one rank already), with a
 300-token prompt, far longer than the sliding window of the windowed families, prefilled in
@@ -26,7 +26,7 @@ from thunderpool.engine.loader import Layout, preflight
 from thunderpool.errors import ShardingError
 from thunderpool.parallel.pipeline import split_layers
 
-STEPS = 32
+STEPS = 20  # greedy tokens per prompt; the batch cell's rows join at tokens 3 and 5
 HF_TOL = 2e-4  # transformers (torch fp32) against mlx-lm (mlx fp32): measured <= 3e-5
 PROMPTS = family_prompts()
 LAYOUTS = {"tp2": ("tp", 2), "tp3": ("tp", 3), "pp2": ("pp", 2), "pp3": ("pp", 3)}
