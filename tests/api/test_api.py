@@ -162,10 +162,14 @@ def test_sampling_surface_passes_through(client, engine):
     ]
 
 
-def test_unknown_fields_are_ignored(client):
-    r = chat(client, user="u1", response_format={"type": "text"})
+def test_unknown_fields_are_refused_and_annotations_accepted(client):
+    r = chat(client, user="u1", metadata={"k": "v"}, store=False, response_format={"type": "text"})
     assert r.status_code == 200
     assert r.json()["choices"][0]["message"]["content"] == "Hello world"
+    for field, value in (("reasoning_effort", "high"), ("functions", []), ("store", True)):
+        r = chat(client, **{field: value})
+        assert r.status_code == 400, field
+        assert field in r.json()["error"]["message"]
 
 
 def test_max_tokens_reached_is_length(client):

@@ -75,6 +75,10 @@ def from_validation(err: ValidationError) -> APIError:
     given = json.dumps(first.get("input"), default=str)
     if len(given) > 60:
         given = given[:57] + "..."
+    if first["type"] == "extra_forbidden":
+        return bad_request(
+            f"'{loc}' is not supported by this server; remove it", param=loc, code="unsupported"
+        )
     message = f"invalid '{loc}': {first['msg']}"
     if first["type"] != "missing":
         message += f" (got {given})"

@@ -17,18 +17,16 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import TypeVar
 
 from anyio import to_thread
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from thunderpool.api import anthropic, ollama, openai_chat, openapi, prompts, responses, structured
-from thunderpool.api.body import API_LIMIT, BodyError, read_body
 from thunderpool.api.conversation import Conversation, admit, collect_turn
-from thunderpool.api.errors import RETRY_AFTER_S, APIError, from_validation, install_error_handlers
+from thunderpool.api.errors import RETRY_AFTER_S, APIError, install_error_handlers
 from thunderpool.api.errors import not_ready as not_ready_error
 from thunderpool.api.generation import (
     ChatFrames,
@@ -46,10 +44,10 @@ from thunderpool.api.observe import AccessLog, Latencies, RecordingEngine
 from thunderpool.api.schemas import ChatRequest, CompletionRequest, ModelCard, ModelList
 from thunderpool.api.sse import EventStream, until_disconnect
 from thunderpool.api.tools import SERVED_CHOICES
+from thunderpool.api.wire import parse
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.service import EngineClient
 
-R = TypeVar("R", bound=BaseModel)
 log = logging.getLogger("thunderpool.api")
 # The other APIs' bodies and errors, for /openapi.json.
 WIRE_MODELS = (
@@ -84,17 +82,6 @@ def api_key_guard(api_key: str | None) -> Callable[[Request], None]:
             )
 
     return require_key
-
-
-async def _parse(request: Request, model: type[R]) -> R:
-    try:
-        body = await read_body(request, API_LIMIT, log)
-    except BodyError as e:
-        raise APIError(e.status, e.message) from None
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        raise from_validation(e) from e
 
 
 def create_app(
@@ -180,7 +167,7 @@ def create_app(
         ),
     )
     async def chat_completions(request: Request) -> Response:
-        req = await _parse(request, ChatRequest)
+        req = await parse(request, ChatRequest)
         prompts.check_model(req.model, engine.info.model)
         prompts.check_supported(req)
         conv = openai_chat.to_conversation(req)
@@ -213,7 +200,7 @@ def create_app(
         **doc(openapi.COMPLETION, generating, CompletionRequest, {**hello, "prompt": "Hello"}),
     )
     async def completions(request: Request) -> Response:
-        req = await _parse(request, CompletionRequest)
+        req = await parse(request, CompletionRequest)
         prompts.check_model(req.model, engine.info.model)
         prompts.check_supported(req)
         ready()

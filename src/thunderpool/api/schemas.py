@@ -1,14 +1,16 @@
 """OpenAI wire schemas: the requests we accept and the responses and chunks we send.
 
-Requests ignore unknown fields (as OpenAI ignores many) but are validated strictly, so a
-string where a number belongs is a 400 rather than a silent coercion.
+Requests refuse unknown fields (a 400 names the field: nothing is accepted and ignored) and are
+validated strictly, so a string where a number belongs is a 400 rather than a silent coercion.
+Fields that change nothing in an answer (`user`, `metadata`, `store: false`) are accepted.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -17,8 +19,14 @@ from pydantic import (
 )
 
 
+def _not_stored(store: bool) -> bool:
+    if store:
+        raise ValueError("this server keeps no completions to list later; leave 'store' out")
+    return store
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Request):
@@ -26,6 +34,9 @@ class StreamOptions(_Request):
 
 
 class ContentPart(_Request):
+    # Other part types (image_url, input_audio) carry their own fields; they get a clear 400
+    # from openai_chat.messages() naming the type, not a union error here.
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
@@ -80,6 +91,10 @@ class SamplingFields(_Request):
     min_p: float | None = None  # not OpenAI; vLLM's and llama.cpp's
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
+    # Annotations for the caller's own records: they change nothing in the answer.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: Annotated[bool, AfterValidator(_not_stored)] | None = None
 
 
 class ChatRequest(SamplingFields):

@@ -31,7 +31,4 @@ async def parse(request: Request, model: type[R]) -> R:
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
-        err = from_validation(e)
-        if "Extra inputs are not permitted" in err.message:
-            err.message = f"'{err.param}' is not supported by this server; remove it"
-        raise err from e
+        raise from_validation(e) from e
