@@ -307,7 +307,10 @@ def _spec_bench(model_dir: Path, args: argparse.Namespace, console: Console, bac
         draft = resolve_model(args.draft_model)
     layouts = [(1, "tp")] + [(n, m) for n in args.nodes for m in args.modes if n > 1]
     task = BenchTask(
-        prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, repeats=args.repeats
+        prompt_tokens=args.prompt_tokens,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        concurrency=tuple(args.concurrency or ()),
     )
     results = run_spec_bench(
         model_dir, draft, layouts, task, args.spec_k, console, args.pin, backend, args.timeout
