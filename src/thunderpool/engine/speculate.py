@@ -275,13 +275,21 @@ def choose_k(executor: Executor, plan: StepPlan) -> int:
     if drafter is None or not plan.decode:
         return 0
     rows = [r for r in executor.state.rows if r not in plan.drop] + list(plan.join)
-    if not 0 < len(rows) <= drafter.max_rows:
+    if not 0 < len(rows) <= getattr(drafter, "max_rows", MAX_ROWS):
         return 0
     if len(rows) > 1 and not executor.rows_trimmable:
         return 0
     fresh = plan.prefill.sampling if plan.join and plan.prefill else None
     params = [executor.samplers[r].params if r in executor.samplers else fresh for r in rows]
     return drafter.k if any(p is not None and p.speculable for p in params) else 0
+
+
+def _propose(drafter, sids: list[int], n: int, params: list[SamplingParams]) -> list:
+    """Each row's (drafts, q): batched where the drafter can (Drafter.propose_rows), else one
+    row at a time (a drafter with only `propose`, e.g. a model's own MTP head)."""
+    if hasattr(drafter, "propose_rows"):
+        return drafter.propose_rows(sids, n, params)
+    return [drafter.propose(sid, n, p) for sid, p in zip(sids, params, strict=True)]
 
 
 def _width(rows: int, k: int) -> int:
@@ -307,8 +315,8 @@ def lead(executor: Executor, k: int, sink, fresh: int | None) -> None:
         if room <= 0:
             break
         n = min(k, room - 1)
-        proposals = drafter.propose_rows(
-            [sids[i] for i in drafted], n, [samplers[i].params for i in drafted]
+        proposals = _propose(
+            drafter, [sids[i] for i in drafted], n, [samplers[i].params for i in drafted]
         )
         drafts = [[0] * n for _ in range(B)]
         for i, (d, _) in zip(drafted, proposals, strict=True):
