@@ -27,6 +27,11 @@ def bench_spec_leader(engine: Engine, task: BenchTask, emit) -> None:
     """On the leader: `task.repeats` plain and speculative generations, alternated."""
     ex = engine.executor
     drafter, size = ex.drafter, engine.control.size
+    parallel = "single" if size == 1 else ("pp" if engine.runner.stage is not None else "tp")
+    if task.concurrency:  # its level 1 is the lone request
+        batching = [bench_spec_batch(engine, task, c) for c in task.concurrency]
+        emit("bench", world_size=size, parallel=parallel, spec_k=drafter.k, batching=batching)
+        return
     prompt = synthetic_prompt(task.prompt_tokens, model_dims(engine.runner.model)[0])
     runs: dict[str, list] = {"plain": [], "spec": []}
     for warm in (True, False):
@@ -37,11 +42,9 @@ def bench_spec_leader(engine: Engine, task: BenchTask, emit) -> None:
                 if not warm:
                     runs[mode].append((run, ex.spec_stats))
     ex.drafter = drafter
-    batching = [bench_spec_batch(engine, task, c) for c in task.concurrency]
     tps = {m: [r.decode_tps for r, _ in rs] for m, rs in runs.items()}
     stats = [s for _, s in runs["spec"]]
     plain, spec = statistics.median(tps["plain"]), statistics.median(tps["spec"])
-    parallel = "single" if size == 1 else ("pp" if engine.runner.stage is not None else "tp")
     emit(
         "bench",
         world_size=size,
@@ -53,7 +56,6 @@ def bench_spec_leader(engine: Engine, task: BenchTask, emit) -> None:
         acceptance=sum(s.accepted for s in stats) / max(1, sum(s.proposed for s in stats)),
         tokens_per_step=sum(s.emitted for s in stats) / max(1, sum(s.steps for s in stats)),
         identical_tokens=len({tuple(r.tokens) for rs in runs.values() for r, _ in rs}) == 1,
-        batching=batching,
     )
 
 
@@ -147,7 +149,7 @@ def run_spec_bench(
     table = Table(title=f"{model_dir.name} drafted by {draft_dir.name}, k={spec_k}, greedy")
     for col in ("layout", "plain tok/s", "spec tok/s", "speedup", "accept", "tok/step", "same"):
         table.add_column(col, justify="right")
-    for r in results:
+    for r in (r for r in results if "speedup" in r):
         table.add_row(
             f"{r['parallel']} {r['world_size']}",
             f"{statistics.median(r['plain_decode_tps']):.2f}",
@@ -157,7 +159,8 @@ def run_spec_bench(
             f"{r['tokens_per_step']:.2f}",
             "yes" if r["identical_tokens"] else "NO",
         )
-    console.print(table)
+    if any("speedup" in r for r in results):
+        console.print(table)
     if any(r.get("batching") for r in results):
         print_batching(results, spec_k, console)
     return results
