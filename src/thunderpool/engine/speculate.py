@@ -34,7 +34,9 @@ if TYPE_CHECKING:
     from thunderpool.engine.plan import StepPlan
 
 DEFAULT_K = 4
-MAX_ROWS = 8  # the most decoding rows that still speculate (bench: docs/benchmarks.md §9)
+# The most decoding rows that still speculate: measured ahead of plain batched decoding at
+# 1, 2 and 4 rows (docs/benchmarks.md section 9); larger batches are unmeasured, so plain.
+MAX_ROWS = 4
 # Cache types whose rejected tail can be cut by trim() at any length (no ring, no recurrence).
 TRIMMABLE = {"KVCache", "BatchKVCache", "QuantizedKVCache", "ConcatenateKVCache"}
 
