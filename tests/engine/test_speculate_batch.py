@@ -107,6 +107,13 @@ def test_batched_speculation_gives_the_plain_batched_tokens(runner, models, monk
     assert max(rows) >= 3  # three rows drafted together in one batched draft forward
     assert any(len(t) > 1 and len(set(t)) > 1 for t in trims)
     assert got["left"] == [[], True, 0]
+    # Above max_rows the batch decodes plainly; below it, drafts catch up on what they missed.
+    drafter, rows[:] = load_drafter(models["cut"], models["target"], 3), []
+    drafter.max_rows, propose = 2, drafter.propose_rows
+    drafter.propose_rows = lambda sids, *a: rows.append(len(sids)) or propose(sids, *a)
+    capped = run_scenario(runner, Control(runner.group), None, spec, drafter)
+    assert greedy_rows(capped["out"]) == greedy_rows(plain["out"])
+    assert rows and max(rows) <= 2 and capped["spec"][0] > 0
 
 
 @pytest.mark.slow
