@@ -25,6 +25,35 @@ PENALIZED, SAMPLED, CANCELLED = 1, 3, 2  # request indices
 CANCEL_AT = 7
 
 
+def test_each_row_keeps_its_own_target_distribution():
+    """Two sampled rows verified together, each with its own target p and draft q (swapped
+    between the rows): each row's first emitted token follows its own p (chi-square, 1k
+    draws), not the other row's."""
+    from types import SimpleNamespace
+
+    from scipy.stats import chisquare
+
+    from thunderpool.engine.sampling import SamplingParams
+    from thunderpool.engine.speculate import _accept
+
+    p = np.array([[0.5, 0.2, 0.15, 0.1, 0.05], [0.05, 0.1, 0.15, 0.2, 0.5]])
+    q = p[::-1].copy()  # each row's draft favours the other row's tokens
+    logits = mx.array(np.log(np.stack([np.stack([r, r]) for r in p])))  # (2, n+1=2, 5)
+    rng = np.random.default_rng(0)
+    ex = SimpleNamespace(drafter=SimpleNamespace(rngs={0: rng, 1: rng}))
+    rows = [SimpleNamespace(params=SamplingParams(temperature=1.0))] * 2
+    counts = np.zeros((2, 5))
+    for _ in range(1000):
+        drafts = [[int(rng.choice(5, p=q[i]))] for i in range(2)]
+        proposals = [(drafts[i], q[i][None]) for i in range(2)]
+        outs = _accept(ex, [0, 1], rows, [0, 1], proposals, drafts, logits)
+        for i in range(2):
+            counts[i, outs[i][0]] += 1
+    for i in range(2):
+        assert chisquare(counts[i], p[i] * counts[i].sum()).pvalue > 1e-3
+        assert chisquare(counts[i], p[1 - i] * counts[i].sum()).pvalue < 1e-12
+
+
 def test_uneven_trims_keep_each_rows_prefix():
     """Three rows of different lengths; after cutting 0, 2 and 3 positions, every row's keys
     and the causal mask's view of them equal the row's prefix cache cut alone."""
