@@ -2,7 +2,8 @@
 
 A scenario is JSON: requests (token prompts, sampling) that arrive when a given request has
 emitted n tokens, cancellations at a request's n-th token, an optional eos override, and
-`pipeline` (None: each rank's default, batch.overlaps). Arrivals
+`pipeline` (None: each rank's default, batch.overlaps), and `draft` (a draft model dir: the
+leader speculates `spec_k` tokens per row, speculate.py). Arrivals
 and cancellations happen inside the emit callback, so inside a decode burst when one runs.
 `run_ranks` starts the rank processes (MLX ring on loopback, with a timeout) of any layout
 (`parallel`, `layer_split`); rank 0 drives the Engine and the others follow:
@@ -39,7 +40,7 @@ def plan_name(plan: StepPlan) -> str:
     return "step+" if plan.decode else ("pre" if plan.prefill else "step")
 
 
-def run_scenario(runner, control: Control, tokenizer, spec: dict) -> dict:
+def run_scenario(runner, control: Control, tokenizer, spec: dict, drafter=None) -> dict:
     """Runs the scenario on the leader; returns each request's outcome and the event log:
     plans (plan_name) and "x" for each decode step's exchange, interleaved with ["submit" |
     "cancel" | "finish", request]."""
@@ -51,6 +52,7 @@ def run_scenario(runner, control: Control, tokenizer, spec: dict) -> dict:
         eos=set(spec.get("eos") or ()),
         pipeline=spec.get("pipeline"),
         prefix_cache_tokens=spec.get("prefix_cache_tokens", 0),
+        drafter=drafter,
     )
     sched = TextRequests(engine, tokenizer)
     reqs, cancels = spec["requests"], [tuple(c) for c in spec.get("cancel", [])]
@@ -114,7 +116,10 @@ def run_scenario(runner, control: Control, tokenizer, spec: dict) -> dict:
     control.send, control.burst_step = send, burst_step
     state = engine.executor.state
     left = [state.rows, state.batch is None, len(state.pending)]
-    return {"out": out, "events": events, "per_token": per_token, "left": left}
+    result = {"out": out, "events": events, "per_token": per_token, "left": left}
+    if (stats := getattr(engine.executor, "spec_stats", None)) is not None:
+        result["spec"] = [stats.steps, stats.proposed, stats.accepted, stats.emitted]
+    return result
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -143,8 +148,13 @@ def main(spec_path: str, out_path: str) -> None:
         from mlx_lm.utils import load_tokenizer
 
         tokenizer = load_tokenizer(model, eos_token_ids=read_config(model).get("eos_token_id"))
+    drafter = None
+    if spec.get("draft"):
+        from thunderpool.engine.speculate import load_drafter
+
+        drafter = load_drafter(Path(spec["draft"]), model, spec.get("spec_k", 4))
     try:
-        result = run_scenario(runner, control, tokenizer, spec)
+        result = run_scenario(runner, control, tokenizer, spec, drafter)
     finally:
         control.send(STOP_PLAN.encode())
     Path(out_path).write_text(json.dumps(result))

@@ -45,10 +45,13 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
 
 
 def draft_fields(args: argparse.Namespace) -> dict:
-    """RankJob fields of --draft-model/--spec-k (speculative decoding; the draft resolved here,
-    a path that must also exist on the leader's node with --cluster)."""
+    """RankJob fields of --draft-model/--spec-k (speculative decoding). Resolved here for local
+    ranks; with --cluster it travels as named, and the leader's node resolves it to its own
+    copy (the coordinator checks first that it has one: fabric.check_draft)."""
     if not getattr(args, "draft_model", None):
         return {}
+    if getattr(args, "cluster", False):
+        return {"draft_model": args.draft_model, "spec_k": args.spec_k}
     from thunderpool.models.source import resolve_model
 
     return {"draft_model": str(resolve_model(args.draft_model)), "spec_k": args.spec_k}
@@ -307,7 +310,10 @@ def _spec_bench(model_dir: Path, args: argparse.Namespace, console: Console, bac
         draft = resolve_model(args.draft_model)
     layouts = [(1, "tp")] + [(n, m) for n in args.nodes for m in args.modes if n > 1]
     task = BenchTask(
-        prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, repeats=args.repeats
+        prompt_tokens=args.prompt_tokens,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        concurrency=tuple(args.concurrency or ()),
     )
     results = run_spec_bench(
         model_dir, draft, layouts, task, args.spec_k, console, args.pin, backend, args.timeout

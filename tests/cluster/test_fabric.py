@@ -409,3 +409,38 @@ def test_a_node_fetches_what_a_peer_holds_from_that_peer(pair, third, tiny_model
     (theirs,) = [f.progress for i, f in b.weights.fetches.items() if i not in fetches_b]
     assert theirs.peer_bytes == 0 and theirs.received_bytes > 0  # rank 0: nobody holds it
     assert a.weights.source.served_bytes - from_a == theirs.received_bytes
+
+
+def test_the_draft_runs_on_the_leaders_node_and_is_refused_where_it_is_missing(pair, tmp_path):
+    """--draft-model with --cluster: the job names the draft as the user did; the leader's
+    node resolves it to its own copy. A leader whose node lacks it is refused before any rank
+    starts or any weight moves."""
+    from thunderpool.bench.synthetic import write_truncated
+    from thunderpool.engine.control import Control
+    from thunderpool.engine.engine import Engine
+    from thunderpool.engine.loader import Layout, load_shard
+    from thunderpool.engine.sampling import SamplingParams
+    from thunderpool.errors import LaunchError
+
+    model, _, b, coord = pair
+    draft = model.parent / "llama-draft2"  # where node b cannot see it
+    if not (draft / "config.json").is_file():
+        write_truncated(model, 2, draft)
+    prompts = tiny_prompts(2)
+    task = TraceTask(prompts=tuple(map(tuple, prompts)), max_tokens=16, out=str(tmp_path / "d.npz"))
+    job = RankJob(model_dir=str(model), world_size=2, task=task, draft_model=str(draft), spec_k=3)
+    state, before = coord.discover(), received(b)
+    with pytest.raises(LaunchError, match=r"is not on the leader's node .*runs the draft"):
+        with ClusterInstance(coord, state, ["b", "a"], job, timeout=300) as inst:
+            list(inst.events())
+    assert received(b) == before and not b.ranks.instances
+    with ClusterInstance(coord, state, ["a", "a"], job, timeout=300) as inst:  # no fetch: cheap
+        events = list(inst.events())
+    runner = load_shard(model, mx.distributed.init(), Layout())[0]
+    engine, ref = Engine(runner, Control(runner.group)), []
+    for p in prompts:
+        ref.append([])
+        engine.generate(p, SamplingParams(max_tokens=16), lambda ev, t=ref[-1]: t.append(ev.token))
+    np.testing.assert_array_equal(np.load(tmp_path / "d.npz")["tokens"], np.array(ref))
+    done = next(e.event for e in events if e.event["kind"] == "done")
+    assert done["spec_steps"] > 0

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from thunderpool.cluster.client import AgentClient, AgentError
-from thunderpool.cluster.fabric import place_weights
+from thunderpool.cluster.fabric import check_draft, place_weights
 from thunderpool.cluster.launch import RankEvent
 from thunderpool.cluster.messages import (
     Hello,
@@ -290,9 +290,11 @@ class ClusterInstance:
         elif n > 1:
             files["MLX_HOSTFILE"] = ring_hostfile(self.state, self.order, port)
         self.backend = job.backend
+        client = lambda node: self.coordinator.client(node, self.state)  # noqa: E731
+        check_draft(client, self.state, self.order, job)
         # Nodes without the model first fetch their ranks' shards from one that has it.
         shards = place_weights(
-            lambda node: self.coordinator.client(node, self.state),
+            client,
             self.state,
             self.order,
             job,

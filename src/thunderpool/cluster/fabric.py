@@ -176,6 +176,28 @@ def _wait(client, state: ClusterState, started: dict[str, str], report) -> dict[
     return dirs
 
 
+def check_draft(
+    client: Callable[[str], AgentClient], state: ClusterState, order: list[str], job: RankJob
+) -> None:
+    """The draft of speculative decoding runs whole on the leader (rank 0): its node must
+    hold `job.draft_model` (a hub id it may download once). LaunchError otherwise, before
+    any rank starts or any weight moves."""
+    if not job.draft_model:
+        return
+    leader = order[0]
+    try:
+        req = Locate(model=job.draft_model, download=True)
+        has = bool(client(leader).call("POST", "/v1/weights/locate", req, 3600.0)["has"])
+    except AgentError:
+        has = False
+    if not has:
+        raise LaunchError(
+            f"--draft-model {job.draft_model} is not on the leader's node "
+            f"{_name(state, leader)}, which runs the draft; put it there (a directory, a .gguf "
+            "file, or a hub id that node can download) or run without --draft-model"
+        )
+
+
 def _name(state: ClusterState, node: str) -> str:
     info = state.nodes.get(node)
     return info.name if info else node

@@ -4,7 +4,8 @@ Every rank applies the same plans (executor.py) in the same order, so the batch 
 line up on every rank without ever shipping a cache. Prefill runs per sequence (B=1); the
 finished prefix cache then joins the decoding batch, which is left-padded (mlx-lm BatchKVCache).
 A lone row decodes on its own prefix cache (no padding mask, as mlx-lm's generate); it becomes
-a batch cache when a second row joins.
+a batch cache when a second row joins. A speculative verify step (speculate.py) leaves each
+row a different rejected tail: `trim_rows` cuts them (batch rows stay right-aligned).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, dynamic_roll
 
 from thunderpool.engine.runner import Runner
 
@@ -31,6 +33,38 @@ def own_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def trim_rows(cache: list, trims: list[int]) -> None:
+    """Drops the last trims[i] positions of row i from every layer's cache. The common part is
+    a plain trim; a row that drops more is rolled right by the rest, which turns its tail
+    into left padding (BatchKVCache.finalize does the same for right padding)."""
+    low = min(trims)
+    if low > 0:
+        for c in cache:
+            c.trim(low)
+    extra = [t - low for t in trims]
+    if not any(extra):
+        return
+    shift = mx.array(extra)
+    for c in cache:
+        assert isinstance(c, BatchKVCache), f"uneven trims need batch caches, not {type(c)}"
+        idx = c._idx
+        for buf in (c.keys, c.values):
+            buf[..., :idx, :] = dynamic_roll(buf[..., :idx, :], shift[:, None], axis=2)
+        c.left_padding = c.left_padding + shift
+        c.offset = c.offset - shift
+    # The padding every row shares is dropped, so the batch does not grow with rejections.
+    if (common := min(cache[0].left_padding.tolist())) > 0:
+        for c in cache:
+            c.keys, c.values = c.keys[..., common:, :], c.values[..., common:, :]
+            c._idx -= common
+            c.left_padding = c.left_padding - common
+
+
+def rows_trimmable(cache: list) -> bool:
+    """Whether trim_rows can cut uneven tails once these (per-layer) caches batch."""
+    return all(type(c).__name__ in ("KVCache", "BatchKVCache") for c in cache)
 
 
 class BatchState:
@@ -53,6 +87,14 @@ class BatchState:
         """One decode step of every row on tokens (B,), lazily (a burst step feeds the
         exchanged tokens, so the forward waits on the exchange on every rank)."""
         return self.runner.decode(tokens[:, None], self.batch)
+
+    def verify(self, tokens: mx.array) -> mx.array | None:
+        """A speculative verify step of every row on tokens (B, L): logits (B, L, V)."""
+        return self.runner.verify(tokens, self.batch)
+
+    def trim_rows(self, trims: list[int]) -> None:
+        if any(trims):
+            trim_rows(self.batch, trims)
 
     def drop(self, drop: set[int]) -> list[int] | None:
         """Frees the rows and prefills in `drop`; returns the kept rows' indices (None: no row

@@ -53,10 +53,13 @@ class Executor:
         self.runner, self.control = runner, control
         self.drafter = drafter  # leader: the draft model of speculative decoding (speculate.py)
         if drafter is not None:
+            from thunderpool.engine.batch import rows_trimmable
             from thunderpool.engine.speculate import SpecStats, check_speculable
 
             check_speculable(runner.make_cache(), "model")
             self.spec_stats = SpecStats()
+            # Leader: whether a batch of rows may speculate (uneven rejected tails cut).
+            self.rows_trimmable = rows_trimmable(runner.make_cache())
         self.leads = control.rank == 0
         self.state = BatchState(runner)
         self.pipeline = overlaps(runner) if pipeline is None else pipeline

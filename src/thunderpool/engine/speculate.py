@@ -1,13 +1,18 @@
-"""Speculative decoding in lockstep: a draft model on the leader proposes up to k tokens, every
-rank verifies them in one forward of the sharded target, the leader accepts by the standard rule.
+"""Speculative decoding in lockstep: a draft model on the leader proposes up to k tokens per
+row, every rank verifies all rows in one forward of the sharded target, the leader accepts by
+the standard rule per row.
 
-A verify burst (plan.spec = k) is a loop of exchanges of k+4 int32 (Control.share_ints):
-[go, trim, n, t0, d1..dk]. Every rank first trims `trim` rejected positions of the previous
-verify from its KV cache; with go=1 it then runs the target on [t0, d1..dn]; go=0 ends the
-burst. So followers learn each accept decision one exchange later, and every rank issues the
-same collectives in the same order. Only a lone row speculates (choose_k): a batch decodes as
-before. Accept rules follow Leviathan et al. 2023 (greedy: longest agreeing prefix plus the
-target's own next token; sampling: accept d with min(1, p(d)/q(d)), else draw from (p-q)+).
+A verify burst (plan.spec = k) of B rows is a loop of exchanges of 2 + B(k+2) int32
+(Control.share_ints): [go, n, trim of each row, t0 of each row, k drafts of each row]. Every
+rank first cuts each row's rejected tail of the previous verify from its KV cache
+(batch.trim_rows; uneven tails become left padding); with go=1 it then runs the target on
+(B, n+1) tokens [t0, d1..dn]; go=0 ends the burst. So followers learn each accept decision one
+exchange later, and every rank issues the same collectives in the same order. Rows whose
+sampling the accept rule cannot keep exact (SamplingParams.speculable) ride along with k=0:
+their drafts are padding, cut again, and their own sampler draws one token from position 0.
+Batches of more than Drafter.max_rows rows decode plainly (choose_k). Accept rules follow
+Leviathan et al. 2023 (greedy: longest agreeing prefix plus the target's own next token;
+sampling: accept d with min(1, p(d)/q(d)), else draw from (p-q)+).
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ if TYPE_CHECKING:
     from thunderpool.engine.plan import StepPlan
 
 DEFAULT_K = 4
+# The most decoding rows that still speculate: measured ahead of plain batched decoding at
+# 1, 2 and 4 rows (docs/benchmarks.md section 9); larger batches are unmeasured, so plain.
+MAX_ROWS = 4
 # Cache types whose rejected tail can be cut by trim() at any length (no ring, no recurrence).
 TRIMMABLE = {"KVCache", "BatchKVCache", "QuantizedKVCache", "ConcatenateKVCache"}
 
@@ -148,12 +156,15 @@ class Drafter:
     """The draft model on the leader: one prefix cache per sequence, fed lazily with the
     sequence's tokens (prompt and delivered ones) the first time that sequence speculates."""
 
-    def __init__(self, model, k: int = DEFAULT_K, vocab: int | None = None):
+    def __init__(
+        self, model, k: int = DEFAULT_K, vocab: int | None = None, max_rows: int = MAX_ROWS
+    ):
         if k < 1:
             raise ThunderpoolError(f"--spec-k {k} must be at least 1")
         from mlx_lm.models.cache import make_prompt_cache
 
         self.model, self.k, self.vocab = model, k, vocab
+        self.max_rows = max_rows  # batches of more rows decode plainly (choose_k)
         self._make_cache = lambda: make_prompt_cache(model)
         check_speculable(self._make_cache(), "draft model")
         self.seqs: dict[int, list[int]] = {}
@@ -197,74 +208,176 @@ class Drafter:
                 logits = self._logits([d], cache)
         return drafts, np.stack(qs) if qs else np.zeros((0, 0))
 
+    def _draw(self, sid: int, logits: mx.array, params: SamplingParams) -> tuple[int, np.ndarray]:
+        """One draft token from logits (V,): argmax, or a draw from q (then returned)."""
+        if params.greedy:
+            return int(mx.argmax(logits).item()), np.zeros(0)
+        q = distribution(logits[None], params)[0]
+        return int(self.rngs.setdefault(sid, _rng(params)).choice(q.shape[-1], p=q)), q
+
+    def propose_rows(
+        self, sids: list[int], n: int, params: list[SamplingParams]
+    ) -> list[tuple[list[int], np.ndarray]]:
+        """`propose` for several sequences at once: one batched draft forward per draft
+        position. Each row's cache is first brought to all but its last `lag` tokens (the same
+        lag for every row: a cache ahead is trimmed and the token fed again), the row caches
+        are merged into one left-padded batch, and split back afterwards."""
+        if n == 0:  # a row's last token: nothing to draft, nothing fed
+            return [([], np.zeros((0, 0))) for _ in sids]
+        if len(sids) <= 1:
+            return [self.propose(sid, n, p) for sid, p in zip(sids, params, strict=True)]
+        seqs = [self.seqs[sid] for sid in sids]
+        # After a verify step a row's draft lags 1 token (a rejection) or 2 (all accepted).
+        lag = min(2, max(len(self.seqs[sid]) - self.fed.get(sid, 0) for sid in sids))
+        caches = []
+        for sid, seq in zip(sids, seqs, strict=True):
+            cache = self.caches.setdefault(sid, self._make_cache())
+            fed, want = self.fed.get(sid, 0), len(seq) - lag
+            for start in range(fed, want, 512):  # catch up a long prompt in chunks
+                chunk = seq[start : min(start + 512, want)]
+                mx.eval(self.model(mx.array([chunk]), cache=cache))
+            trim(cache, fed - want)
+            self.fed[sid] = len(seq)
+            caches.append(cache)
+        batch = [type(layer[0]).merge(list(layer)) for layer in zip(*caches, strict=True)]
+        logits = self._batch_logits([seq[-lag:] for seq in seqs], batch)
+        drafts: list[list[int]] = [[] for _ in sids]
+        qs: list[list[np.ndarray]] = [[] for _ in sids]
+        for step in range(n):
+            for i, (sid, p) in enumerate(zip(sids, params, strict=True)):
+                d, q = self._draw(sid, logits[i], p)
+                drafts[i].append(d)
+                if q.size:
+                    qs[i].append(q)
+            if step < n - 1:
+                logits = self._batch_logits([[d[-1]] for d in drafts], batch)
+        for i, sid in enumerate(sids):
+            self.caches[sid] = [c.extract(i) for c in batch]
+        empty = np.zeros((0, 0))
+        return [(d, np.stack(q) if q else empty) for d, q in zip(drafts, qs, strict=True)]
+
+    def _batch_logits(self, tokens: list[list[int]], cache: list) -> mx.array:
+        out = self.model(mx.array(tokens), cache=cache)[:, -1]  # (B, V)
+        return out[:, : self.vocab] if self.vocab is not None else out
+
     def settle(self, sid: int, n: int, accepted: int) -> None:
         """Drop the rejected drafts from the draft cache (it holds n-1 of them)."""
+        if n == 0:
+            return
         kept = min(accepted, n - 1)
         trim(self.caches[sid], n - 1 - kept)
         self.fed[sid] += kept
 
 
 def choose_k(executor: Executor, plan: StepPlan) -> int:
-    """Leader: the plan's draft length: the drafter's k when exactly one row will decode
-    and its sampling is one the accept rule keeps exact (SamplingParams.speculable)."""
-    if executor.drafter is None or not plan.decode:
+    """Leader: the plan's draft length: the drafter's k when 1 to drafter.max_rows rows will
+    decode and at least one of them samples in a way the accept rule keeps exact
+    (SamplingParams.speculable); the others decode one token per verify step (k=0)."""
+    drafter = executor.drafter
+    if drafter is None or not plan.decode:
         return 0
     rows = [r for r in executor.state.rows if r not in plan.drop] + list(plan.join)
-    if len(rows) != 1:
+    if not 0 < len(rows) <= getattr(drafter, "max_rows", MAX_ROWS):
+        return 0
+    if len(rows) > 1 and not executor.rows_trimmable:
         return 0
     fresh = plan.prefill.sampling if plan.join and plan.prefill else None
-    params = fresh if fresh is not None else executor.samplers[rows[0]].params
-    return executor.drafter.k if params.speculable else 0
+    params = [executor.samplers[r].params if r in executor.samplers else fresh for r in rows]
+    return drafter.k if any(p is not None and p.speculable for p in params) else 0
+
+
+def _propose(drafter, sids: list[int], n: int, params: list[SamplingParams]) -> list:
+    """Each row's (drafts, q): batched where the drafter can (Drafter.propose_rows), else one
+    row at a time (a drafter with only `propose`, e.g. a model's own MTP head)."""
+    if hasattr(drafter, "propose_rows"):
+        return drafter.propose_rows(sids, n, params)
+    return [drafter.propose(sid, n, p) for sid, p in zip(sids, params, strict=True)]
+
+
+def _width(rows: int, k: int) -> int:
+    """Ints of one verify exchange: [go, n, trim of each row, t0 of each row, k drafts each]."""
+    return 2 + rows * (2 + k)
 
 
 def lead(executor: Executor, k: int, sink, fresh: int | None) -> None:
     """The leader's verify burst (module docstring). `fresh`: the row that joined this plan,
     whose first token (sampled at prefill) is not delivered yet."""
     ex, drafter, stats = executor, executor.drafter, executor.spec_stats
-    (sid,) = ex.state.rows
-    params = ex.samplers[sid].params
+    sids = list(ex.state.rows)
+    B = len(sids)
+    samplers = [ex.samplers[sid] for sid in sids]
+    drafted = [i for i, s in enumerate(samplers) if s.params.speculable]
     if fresh is not None:
         mx.eval(ex.next)
-        ex._deliver(sink, [sid], ex.next, ex._first_logits)
-    t0, trim_prev = int(ex.next.item()), 0
+        ex._deliver(sink, [fresh], ex.next[-1:], ex._first_logits)
+    t0s, trims = ex.next.tolist(), [0] * B
     go = True
     while go:
         last, room = sink.spec_budget()
         if room <= 0:
             break
         n = min(k, room - 1)
-        drafts, q = drafter.propose(sid, n, params)
-        ex.control.share_ints([1, trim_prev, n, t0, *drafts, *[0] * (k - n)], k + 4)
-        trim(ex.state.batch, trim_prev)
-        logits = ex.runner.verify(mx.array([[t0, *drafts]]), ex.state.batch)[0]  # (n+1, V)
+        proposals = _propose(
+            drafter, [sids[i] for i in drafted], n, [samplers[i].params for i in drafted]
+        )
+        drafts = [[0] * n for _ in range(B)]
+        for i, (d, _) in zip(drafted, proposals, strict=True):
+            drafts[i] = d
+        flat = [x for d in drafts for x in (*d, *[0] * (k - n))]
+        ex.control.share_ints([1, n, *trims, *t0s, *flat], _width(B, k))
+        ex.state.trim_rows(trims)
+        tokens = mx.array([[t0, *d] for t0, d in zip(t0s, drafts, strict=True)])
+        logits = ex.state.verify(tokens)  # (B, n+1, V)
+        outs = _accept(ex, sids, samplers, drafted, proposals, drafts, logits)
+        for j in range(max(len(o) for o in outs)):  # one delivery per position
+            at = [i for i, o in enumerate(outs) if j < len(o)]
+            token = mx.array([outs[i][j] for i in at])
+            ex._deliver(sink, [sids[i] for i in at], token, logits[mx.array(at), j])
+        for i in drafted:
+            accepted = len(outs[i]) - 1
+            drafter.settle(sids[i], n, accepted)
+            stats.steps, stats.proposed = stats.steps + 1, stats.proposed + n
+            stats.accepted, stats.emitted = stats.accepted + accepted, stats.emitted + len(outs[i])
+        trims, t0s, go = [n + 1 - len(o) for o in outs], [o[-1] for o in outs], not last
+    ex.control.share_ints([0, 0, *trims, *[0] * (B * (k + 1))], _width(B, k))
+    ex.state.trim_rows(trims)
+    ex.next, ex._first_logits = mx.array(t0s), None
+
+
+def _accept(ex, sids, samplers, drafted, proposals, drafts, logits) -> list[list[int]]:
+    """Each row's emitted tokens: the accept rule on drafted rows, and one token of the row's
+    own sampler (penalties, grammar, logprobs) at the first position on the others."""
+    outs: list[list[int] | mx.array] = []
+    greedy = mx.argmax(logits, axis=-1)
+    q_of = dict(zip(drafted, (q for _, q in proposals), strict=True))
+    for i, sampler in enumerate(samplers):
+        if i not in q_of:
+            outs.append(sampler(logits[i : i + 1, 0]))
+            continue
+        params = sampler.params
         if params.greedy:
-            out = accept_greedy(drafts, mx.argmax(logits, axis=-1).tolist())
-        else:
-            p = distribution(logits, params)
-            if q.shape[-1] < p.shape[-1]:  # a draft with a smaller (unpadded) vocabulary
-                q = np.pad(q, ((0, 0), (0, p.shape[-1] - q.shape[-1])))
-            out = accept_sampled(drafts, p, q, drafter.rngs.setdefault(sid, _rng(params)))
-        accepted = len(out) - 1
-        drafter.settle(sid, n, accepted)
-        for i, token in enumerate(out):
-            ex._deliver(sink, [sid], mx.array([token]), logits[i : i + 1])
-        stats.steps, stats.proposed = stats.steps + 1, stats.proposed + n
-        stats.accepted, stats.emitted = stats.accepted + accepted, stats.emitted + len(out)
-        trim_prev, t0, go = n - accepted, out[-1], not last
-    ex.control.share_ints([0, trim_prev, 0, 0, *[0] * k], k + 4)
-    trim(ex.state.batch, trim_prev)
-    ex.next, ex._first_logits = mx.array([t0]), None
+            outs.append(accept_greedy(drafts[i], greedy[i].tolist()))
+            continue
+        p, q = distribution(logits[i], params), q_of[i]
+        if q.shape[-1] < p.shape[-1]:  # a draft with a smaller (unpadded) vocabulary
+            q = np.pad(q, ((0, 0), (0, p.shape[-1] - q.shape[-1])))
+        rng = ex.drafter.rngs.setdefault(sids[i], _rng(params))
+        outs.append(accept_sampled(drafts[i], p, q, rng))
+    return [o.tolist() if isinstance(o, mx.array) else o for o in outs]
 
 
 def follow(executor: Executor, k: int) -> None:
     """A follower's verify burst: the same exchanges and forwards as the leader's."""
     ex = executor
+    B = len(ex.state.rows)
     while True:
-        go, trim_prev, n, t0, *drafts = ex.control.share_ints(None, k + 4)
-        trim(ex.state.batch, trim_prev)
+        go, n, *rest = ex.control.share_ints(None, _width(B, k))
+        trims, t0s, flat = rest[:B], rest[B : 2 * B], rest[2 * B :]
+        ex.state.trim_rows(trims)
         if not go:
             return
-        out = ex.runner.verify(mx.array([[t0, *drafts[:n]]]), ex.state.batch)
+        tokens = [[t0, *flat[i * k : i * k + n]] for i, t0 in enumerate(t0s)]
+        out = ex.state.verify(mx.array(tokens))
         if out is not None:
             mx.eval(out)
 
