@@ -57,6 +57,8 @@ class Executor:
 
             check_speculable(runner.make_cache(), "model")
             self.spec_stats = SpecStats()
+            # An MTP draft reads the target's final hidden states (engine/mtp.py).
+            runner.keep_hidden = getattr(drafter, "wants_hidden", False)
         self.leads = control.rank == 0
         self.state = BatchState(runner)
         self.pipeline = overlaps(runner) if pipeline is None else pipeline
@@ -131,6 +133,8 @@ class Executor:
             entry, n = p.reuse
             self.state.start(p.sid, self.prefix.restore(entry, n, self.runner.make_cache()))
         out = self.state.prefill(p.sid, list(p.tokens))
+        if self.leads and self.runner.keep_hidden:
+            self.drafter.observe(p.sid, self.runner.hidden[0], tail=True)
         self.prefix.evict(p.evict)
         if p.store is not None:
             self.prefix.keep(p.store, self.state.pending[p.sid])
@@ -175,6 +179,9 @@ class Executor:
             last = sink.last_step()
             exchanged = self.control.burst_step(y, rows, last)
             logits = self.state.decode(exchanged[1:])
+            if self.runner.keep_hidden:
+                for row, sid in enumerate(self.state.rows):
+                    self.drafter.observe(sid, self.runner.hidden[row])
             nxt = sample_rows(logits, samplers)
             if self.pipeline:
                 mx.async_eval(nxt)

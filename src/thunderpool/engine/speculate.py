@@ -246,6 +246,8 @@ def lead(executor: Executor, k: int, sink, fresh: int | None) -> None:
             out = accept_sampled(drafts, p, q, drafter.rngs.setdefault(sid, _rng(params)))
         accepted = len(out) - 1
         drafter.settle(sid, n, accepted)
+        if ex.runner.keep_hidden:  # an MTP draft reads the kept positions' hidden states
+            drafter.observe(sid, ex.runner.hidden[0, : accepted + 1])
         for i, token in enumerate(out):
             ex._deliver(sink, [sid], mx.array([token]), logits[i : i + 1])
         stats.steps, stats.proposed = stats.steps + 1, stats.proposed + n
@@ -270,9 +272,13 @@ def follow(executor: Executor, k: int) -> None:
 
 
 def drafter_for(job) -> Drafter | None:
-    """The leader's draft model for a RankJob that names one (--draft-model)."""
+    """The leader's draft for a RankJob that names one (--draft-model DIR, or mtp)."""
     if job.draft_model is None:
         return None
+    if job.draft_model == "mtp":  # the model's own multi-token-prediction layer
+        from thunderpool.engine.mtp import load_mtp_drafter
+
+        return load_mtp_drafter(Path(job.model_dir), job.spec_k)
     return load_drafter(Path(job.draft_model), Path(job.model_dir), job.spec_k)
 
 
