@@ -36,6 +36,10 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
     layout = Layout(parallel, args.tp_weights, args.layer_split, expert_split)
     config = preflight(model_dir, nodes, layout)
     guard(config, nodes, parallel, args.allow_untested)
+    if getattr(args, "draft_model", None) == "mtp":
+        from thunderpool.engine.mtp import check_mtp_files
+
+        check_mtp_files(model_dir, config)
     fields = {"parallel": parallel, "tp_weights": args.tp_weights, "layer_split": args.layer_split}
     if expert_split:
         fields["expert_split"] = expert_split
@@ -49,6 +53,8 @@ def draft_fields(args: argparse.Namespace) -> dict:
     a path that must also exist on the leader's node with --cluster)."""
     if not getattr(args, "draft_model", None):
         return {}
+    if args.draft_model == "mtp":  # the model's own multi-token-prediction layer (engine/mtp.py)
+        return {"draft_model": "mtp", "spec_k": args.spec_k}
     from thunderpool.models.source import resolve_model
 
     return {"draft_model": str(resolve_model(args.draft_model)), "spec_k": args.spec_k}
@@ -303,6 +309,12 @@ def _spec_bench(model_dir: Path, args: argparse.Namespace, console: Console, bac
         draft = model_dir.with_name(f"{model_dir.name}-draft{args.draft_layers}")
         if not (draft / "config.json").is_file():
             write_truncated(model_dir, args.draft_layers, draft)
+    elif args.draft_model == "mtp":  # the model's own MTP layer: RankJob.draft_model "mtp"
+        from thunderpool.engine.loader import read_config
+        from thunderpool.engine.mtp import check_mtp_files
+
+        check_mtp_files(model_dir, read_config(model_dir))
+        draft = Path("mtp")
     else:
         draft = resolve_model(args.draft_model)
     layouts = [(1, "tp")] + [(n, m) for n in args.nodes for m in args.modes if n > 1]

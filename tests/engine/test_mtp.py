@@ -16,7 +16,7 @@ from families import make_mtp_family
 from thunderpool.engine.control import Control
 from thunderpool.engine.engine import Engine
 from thunderpool.engine.loader import Layout, load_shard
-from thunderpool.engine.mtp import check_mtp, load_mtp_drafter
+from thunderpool.engine.mtp import check_mtp, check_mtp_files, load_mtp_drafter
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.errors import ThunderpoolError
 
@@ -171,3 +171,5 @@ def test_models_without_an_mtp_layer_are_refused(tmp_path):
     mx.save_safetensors(str(tmp_path / "model.safetensors"), {"lm_head.weight": mx.zeros((2, 2))})
     with pytest.raises(ThunderpoolError, match=r"no model\.layers\.2\.\* tensors"):
         load_mtp_drafter(tmp_path)
+    with pytest.raises(ThunderpoolError, match="use --draft-model DIR"):
+        check_mtp_files(tmp_path, config)  # the CLI's check, before any rank starts

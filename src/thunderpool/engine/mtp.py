@@ -24,6 +24,8 @@ drafts get worse, the output stays exact (the target verifies every draft).
 from __future__ import annotations
 
 import importlib
+import json
+import struct
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -197,6 +199,26 @@ def check_mtp(config: dict, model_dir: Path) -> str:
     return family
 
 
+def check_mtp_files(model_dir: Path, config: dict) -> None:
+    """Before any rank starts: the family has an MTP layer and the files hold it (headers only)."""
+    check_mtp(config, model_dir)
+    prefix = f"model.layers.{config['num_hidden_layers']}."
+    for f in sorted(model_dir.glob("model*.safetensors")):
+        with f.open("rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            if any(name.startswith(prefix) for name in json.loads(fh.read(size))):
+                return
+    raise _no_weights(model_dir, config, prefix)
+
+
+def _no_weights(model_dir: Path, config: dict, prefix: str) -> ThunderpoolError:
+    return ThunderpoolError(
+        f"{model_dir} declares num_nextn_predict_layers={config['num_nextn_predict_layers']} "
+        f"but its weights hold no {prefix}* tensors (mlx-lm conversions drop the MTP "
+        "layer); point --model at the original checkpoint, or use --draft-model DIR"
+    )
+
+
 def load_mtp_layer(model_dir: Path, config: dict) -> MTPLayer:
     family = check_mtp(config, model_dir)
     n = int(config["num_hidden_layers"])
@@ -209,11 +231,7 @@ def load_mtp_layer(model_dir: Path, config: dict) -> MTPLayer:
             elif name in ("model.embed_tokens.weight", "lm_head.weight"):
                 shared[name] = w
     if not weights:
-        raise ThunderpoolError(
-            f"{model_dir} declares num_nextn_predict_layers={config['num_nextn_predict_layers']} "
-            f"but its weights hold no {prefix}* tensors (mlx-lm conversions drop the MTP "
-            "layer); point --model at the original checkpoint, or use --draft-model DIR"
-        )
+        raise _no_weights(model_dir, config, prefix)
     model_cls, args_cls = _get_classes(config)
     args = args_cls.from_dict(config)
     # The family's sanitize (fp8 dequantising, expert stacking, MLA's kv_b_proj split), run on
