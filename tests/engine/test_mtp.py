@@ -185,3 +185,11 @@ def test_models_without_an_mtp_layer_are_refused(tmp_path):
         load_mtp_drafter(tmp_path)
     with pytest.raises(ThunderpoolError, match="use --draft-model DIR"):
         check_mtp_files(tmp_path, config)  # the CLI's check, before any rank starts
+
+
+def test_seeded_sampling_with_an_mtp_draft_is_reproducible(ckpt, runner):
+    drafter = load_mtp_drafter(ckpt, k=2)
+    hot = SamplingParams(max_tokens=24, temperature=1.0, top_k=20, seed=3)
+    a, engine = generate(runner, drafter, tiny_prompts(1), hot)
+    b = generate(runner, drafter, tiny_prompts(1), hot)[0]
+    assert a == b and len(a[0]) == 24 and engine.executor.spec_stats.steps > 0
