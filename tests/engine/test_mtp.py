@@ -193,3 +193,22 @@ def test_seeded_sampling_with_an_mtp_draft_is_reproducible(ckpt, runner):
     a, engine = generate(runner, drafter, tiny_prompts(1), hot)
     b = generate(runner, drafter, tiny_prompts(1), hot)[0]
     assert a == b and len(a[0]) == 24 and engine.executor.spec_stats.steps > 0
+
+
+def test_a_prefix_cache_hit_drafts_from_zeros_and_stays_exact(ckpt, runner):
+    """A second turn reuses the first's KV, so the leader never sees the reused head's hidden
+    states: the MTP layer reads zeros there, and the tokens are still the plain ones."""
+    prompt = tiny_prompts(3)[0]
+    drafter = load_mtp_drafter(ckpt, k=3)
+    engine = Engine(
+        runner, Control(runner.group), prefill_chunk=16, drafter=drafter, prefix_cache_tokens=4096
+    )
+    out: list[list[int]] = []
+    for _ in range(2):
+        out.append([])
+        engine.submit(prompt + [7], GREEDY, lambda ev, o=out[-1]: o.append(ev.token))
+        while engine.step():
+            pass
+    assert engine.scheduler.prefix.hits == 1
+    expected = generate(runner, None, [prompt + [7]])[0][0]
+    assert out == [expected, expected] and engine.executor.spec_stats.steps > 0
