@@ -40,7 +40,6 @@ from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.speculate import DEFAULT_K, _rng, distribution, trim
 from thunderpool.errors import ThunderpoolError
 
-MTP = "mtp"  # --draft-model mtp
 # Families whose MTP layer is a decoder layer of the model's own class, by its class name.
 LAYER_CLASSES = {"deepseek_v3": "DeepseekV3DecoderLayer", "glm4_moe": "DecoderLayer"}
 OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")  # the rest: the block
