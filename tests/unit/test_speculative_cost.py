@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from thunderpool.errors import ThunderpoolError
 from thunderpool.planner.cost import predict
 from thunderpool.planner.presets import parse_cluster
 from thunderpool.planner.simulate import load_model, simulate
@@ -66,3 +67,5 @@ def test_an_mtp_draft_is_one_layer_of_the_model_with_its_head():
     )
     assert mtp.draft_s < small.draft_s / 2
     assert mtp.speedup > small.speedup > 1
+    with pytest.raises(ThunderpoolError, match="kimi_k2 checkpoints do not ship"):
+        mtp_draft(load_model("kimi-k2"))

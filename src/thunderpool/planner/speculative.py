@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from thunderpool.errors import ThunderpoolError
 from thunderpool.planner.cost import LinkSpec, NodeSpec, Stage, predict
 from thunderpool.planner.spec import ModelSpec
 
@@ -44,11 +45,22 @@ def expected_tokens(accept: float, k: int) -> float:
     return (1 - accept ** (k + 1)) / (1 - accept)
 
 
+# Families whose published checkpoints ship an MTP layer (DeepSeek V3/R1 and V3.2, GLM-4.5
+# and GLM-5); the engine drafts with those of deepseek_v3 and glm4_moe (engine/mtp.py).
+MTP_FAMILIES = frozenset({"deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa"})
+
+
 def mtp_draft(spec: ModelSpec) -> ModelSpec:
     """The model's own multi-token-prediction layer as its draft (`--draft mtp`, engine/mtp.py):
     one decoder layer like the model's last (DeepSeek V3's and GLM's MTP layers are MoE
     layers), plus eh_proj (2 x hidden -> hidden, stored like the head), the embedding and the
     output head, all read on the leader for each draft token."""
+    if spec.model_type not in MTP_FAMILIES:
+        raise ThunderpoolError(
+            f"--draft mtp prices the model's own multi-token-prediction layer, which "
+            f"{spec.model_type} checkpoints do not ship (those of {', '.join(sorted(MTP_FAMILIES))}"
+            " do); use --draft NAME for a separate draft model"
+        )
     width = (spec.head_bytes or spec.embed_bytes) / (spec.vocab * spec.hidden)
     eh_params = 2 * spec.hidden * spec.hidden
     eh_bytes = int(eh_params * width)
