@@ -155,9 +155,16 @@ def test_mtp_speculation_gives_the_plain_tokens(ckpt, runner, plain):
 @pytest.mark.slow
 @pytest.mark.parametrize("ckpt", ["deepseek_v3"], indirect=True)  # one family: CI time
 @pytest.mark.parametrize("parallel", ["tp", "pp"])
-def test_mtp_speculation_is_exact_on_two_ranks(ckpt, plain, tmp_path, parallel):
-    """TP2 and PP2 (whose last stage hands the leader only the prompt's last hidden state: the
-    draft sees zeros for the rest, and the output stays exact) give the one-rank tokens."""
+def test_mtp_speculation_is_exact_on_two_ranks(ckpt, runner, plain, tmp_path, parallel):
+    """TP2 and PP2 give the one-rank tokens at the one-rank acceptance. (This checkpoint's
+    drafts lean little on the hidden state, so equal acceptance does not by itself prove that
+    PP's last stage handed the leader every prefill position.)"""
+    engine = Engine(
+        runner, Control(runner.group), prefill_chunk=16, drafter=load_mtp_drafter(ckpt, 3)
+    )
+    for p in tiny_prompts(2):
+        engine.generate(p, GREEDY, lambda ev: None)
+    one_rank = engine.executor.spec_stats.acceptance
     out = run_trace(
         ckpt,
         tmp_path / "mtp.npz",
@@ -170,7 +177,8 @@ def test_mtp_speculation_is_exact_on_two_ranks(ckpt, plain, tmp_path, parallel):
     )
     np.testing.assert_array_equal(out["tokens"], np.array(plain[:2]))
     done = next(e.event for e in out["events"] if e.event["kind"] == "done")
-    assert done["spec_steps"] > 0 and done["spec_acceptance"] > 0.3
+    assert done["spec_steps"] > 0 and done["spec_acceptance"] == pytest.approx(one_rank)
+    assert one_rank > 0.3
 
 
 def test_models_without_an_mtp_layer_are_refused(tmp_path):

@@ -37,6 +37,9 @@ class Layout:
     layer_split: tuple[int, ...] | None = None
     expert_split: tuple[int, ...] | None = None  # EP: routed experts per rank (default: weights)
     compile: bool = True  # compiled decode steps where proven equal (engine/compiled.py)
+    # PP: the last stage hands the leader every prefill position's hidden state, not only
+    # the last one's (an MTP draft reads them all: engine/mtp.py).
+    every_position: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +278,9 @@ def load_shard(
     )
     # EP reads each MoE layer's routes on the host, which a traced graph cannot.
     compiled = layout.compile and layout.parallel != "ep"
-    return Runner(model, group, stage, compiled), config, stats
+    runner = Runner(model, group, stage, compiled)
+    runner.every_position = layout.every_position
+    return runner, config, stats
 
 
 def preflight(model_dir: Path, world_size: int, layout: Layout) -> dict:

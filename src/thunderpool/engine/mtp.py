@@ -16,9 +16,9 @@ Chained drafts (k > 1) reuse the first MTP layer on its own output: draft j+1 re
 (norm(h'), d_j) at the next position, the normed hidden the head scored (vLLM and SGLang recycle
 the same). Those chained entries leave the layer's KV cache after each verify; the accepted
 positions are then fed again with the target's own hidden states (Runner.keep_hidden).
-Positions whose target hidden state the leader never saw (a prefix-cache hit's head, PP's
-prompt, of which the last stage sends only the last position) feed a zero hidden state: the
-drafts get worse, the output stays exact (the target verifies every draft).
+Positions whose target hidden state the leader never saw (a prefix-cache hit's head) feed a
+zero hidden state: the drafts get worse, the output stays exact (the target verifies every
+draft). Under PP the last stage hands the leader every prefill position (Layout.every_position).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class MTPDrafter:
         known, L = self.known.get(sid, 0), hidden.shape[0]
         chunks = self.pending.setdefault(sid, [])
         start = len(self.seqs.get(sid, ())) - L if tail else known
-        if start > known:  # a prefix-cache hit's head, or PP's prompt: never seen
+        if start > known:  # a prefix-cache hit's head: never seen
             chunks.append(mx.zeros((start - known, hidden.shape[-1]), hidden.dtype))
         elif start < known:  # already observed (not expected)
             hidden = hidden[known - start :]

@@ -28,6 +28,7 @@ class Runner:
         # Leader with an MTP draft (engine/mtp.py): keep each forward's final hidden states.
         self.keep_hidden = False
         self.hidden: mx.array | None = None  # (B, L, D) of the last forward, when kept
+        self.every_position = False  # PP, every rank alike: prefill hands over all positions
         # TP ranks each project onto their part of the vocabulary, then all_gather the logits.
         self.every_rank_projects = stage is None and has_split_head(model)
         # Decode steps replay one compiled graph where that is proven equal (engine/compiled.py).
@@ -42,7 +43,8 @@ class Runner:
     def forward(self, tokens: mx.array, cache: list) -> mx.array | None:
         """tokens (B, L) -> logits (B, V) on the leader; on followers, what must be evaluated."""
         if self.stage is not None:
-            return self._finish(self.stage.forward(tokens, cache))
+            h = self.stage.forward(tokens, cache, last_only=not self.every_position)
+            return self._finish(h)
         return self._finish(self.model.model(tokens, cache=cache))
 
     def decode(self, tokens: mx.array, cache: list) -> mx.array | None:
