@@ -220,3 +220,50 @@ def test_a_prefix_cache_hit_drafts_from_zeros_and_stays_exact(ckpt, runner):
     assert engine.scheduler.prefix.hits == 1
     expected = generate(runner, None, [prompt + [7]])[0][0]
     assert out == [expected, expected] and engine.executor.spec_stats.steps > 0
+
+
+def test_fed_step_by_step_the_draft_sees_what_one_pass_sees(ckpt, runner):
+    """Prefill chunks, batched decode steps, verify slices and trimmed chained entries leave
+    the MTP layer in the state one pass over the finished sequence gives: each first draft's
+    logits equal that pass's at the same position."""
+    from mlx_lm.models.cache import KVCache
+
+    from thunderpool.engine.mtp import MTPDrafter
+
+    class Spy(MTPDrafter):
+        log: list = []
+
+        def propose(self, sid, n, params):
+            self.at = (sid, len(self.seqs[sid]))
+            return super().propose(sid, n, params)
+
+        def _logits(self, h):
+            out = super()._logits(h)
+            if self.at is not None:
+                self.log.append((*self.at, np.array(out)))
+                self.at = None
+            return out
+
+    layer = load_mtp_drafter(ckpt).layer
+    spy = Spy(layer, k=3, vocab=layer.shared_head.head.weight.shape[0])
+    prompts = tiny_prompts(3)
+    engine = Engine(runner, Control(runner.group), prefill_chunk=16, drafter=spy)
+    tokens: list[list[int]] = [[], [], []]
+    for i, (p, n) in enumerate(zip(prompts, (6, 12, 30), strict=True)):
+        params = SamplingParams(max_tokens=n)  # rows leave one by one: the last speculates
+        engine.submit(p, params, lambda ev, i=i: tokens[i].append(ev.token))
+    while engine.step():
+        pass
+    assert len(spy.log) > 5
+    runner.keep_hidden = True
+    try:
+        for sid in {sid for sid, _, _ in spy.log}:
+            seq = prompts[sid] + tokens[sid]
+            runner.forward(mx.array([seq[:-1]]), runner.make_cache())
+            h = layer(mx.array([seq[1:]]), runner.hidden, KVCache())
+            one_pass = np.array(layer.shared_head.head(layer.normed(h))[0])
+            for s, m, logits in spy.log:
+                if s == sid:  # the first draft after m tokens read pairs up to i = m - 2
+                    np.testing.assert_allclose(logits, one_pass[m - 2], atol=1e-4, rtol=1e-4)
+    finally:
+        runner.keep_hidden, runner.hidden = False, None
