@@ -396,13 +396,16 @@ def _architecture(kind: str) -> str:
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind]
 
 
-def make_family(kind: str, path: Path, seed: int = 0) -> Path:
-    """Write family `kind`'s tiny random checkpoint (HF hub layout, fp32) to `path`."""
+def make_family(kind: str, path: Path, seed: int = 0, layers: int | None = None) -> Path:
+    """Write family `kind`'s tiny random checkpoint (HF hub layout, fp32) to `path`
+    (with `layers` decoder layers instead of the family's own count)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config = dict(FAMILIES[kind].config)
+    if layers is not None:
+        config["num_hidden_layers"] = layers
     cfg = CONFIG_MAPPING[config.pop("model_type")](**config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -459,3 +462,46 @@ def family_prompts() -> list[list[int]]:
     """A short prompt and one far longer than WINDOW (and than one 128-token prefill chunk)."""
     short = np.random.default_rng(1).integers(0, VOCAB, size=29).tolist()
     return [short, np.random.default_rng(7).integers(0, VOCAB, 300).tolist()]
+
+
+def make_mtp_family(kind: str, path: Path, seed: int = 0, damp: float = 1.0) -> Path:
+    """Family `kind`'s tiny checkpoint with one multi-token-prediction layer stored as DeepSeek
+    V3 stores it: model.layers.{n}.* holds a decoder layer plus enorm, hnorm, eh_proj,
+    shared_head.norm, shared_head.head and embed_tokens (copies of the model's), and config.json
+    says num_nextn_predict_layers=1. `damp` < 1 scales every layer's writes into the residual
+    stream (o_proj, down_proj), so the model and the MTP layer (whose eh_proj keeps the
+    embedding half whole) both mostly follow the current token: drafts are often accepted."""
+    import mlx.core as mx
+
+    n = FAMILIES[kind].config["num_hidden_layers"]
+    make_family(kind, path, seed, layers=n + 1)
+    file = path / "model.safetensors"
+    w = dict(mx.load(str(file)))
+    rng = np.random.default_rng(seed + 100)
+
+    def rand(*shape, std=0.1, mean=0.0):
+        return mx.array(mean + std * rng.standard_normal(shape), mx.float32)
+
+    for name in list(w):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name] = w[name] * damp
+    mtp = f"model.layers.{n}."
+    if damp < 1:  # the embedding half whole, a small say for the hidden state
+        eh = mx.concatenate([mx.eye(HIDDEN), rand(HIDDEN, HIDDEN, std=0.02)], 1)
+    else:
+        eh = rand(HIDDEN, 2 * HIDDEN)
+    w |= {
+        mtp + "enorm.weight": rand(HIDDEN, mean=1.0),
+        mtp + "hnorm.weight": rand(HIDDEN, mean=1.0),
+        mtp + "eh_proj.weight": eh,
+        mtp + "shared_head.norm.weight": w["model.norm.weight"] * 1.0,
+        mtp + "shared_head.head.weight": w["lm_head.weight"] * 1.0,
+        mtp + "embed_tokens.weight": w["model.embed_tokens.weight"] * 1.0,
+    }
+    if damp < 1:  # the MTP layer's enorm keeps the embedding's direction as the model's does
+        w[mtp + "enorm.weight"] = mx.ones((HIDDEN,))
+    mx.save_safetensors(str(file), w, metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config |= {"num_hidden_layers": n, "num_nextn_predict_layers": 1}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

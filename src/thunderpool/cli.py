@@ -114,7 +114,8 @@ def _add_speculation(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-model",
         help="speculative decoding: a small model of the same tokenizer that drafts tokens on "
-        "the leader for the model to verify (dir, .gguf or hub id; lone requests only)",
+        "the leader for the model to verify (dir, .gguf or hub id; lone requests only), or "
+        "`mtp`: the model's own multi-token-prediction layer (DeepSeek V3, GLM-4.5)",
     )
     p.add_argument(
         "--spec-k", type=_positive, default=4, help="draft tokens per verify step (default 4)"

@@ -36,6 +36,10 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
     layout = Layout(parallel, args.tp_weights, args.layer_split, expert_split)
     config = preflight(model_dir, nodes, layout)
     guard(config, nodes, parallel, args.allow_untested)
+    if getattr(args, "draft_model", None) == "mtp":
+        from thunderpool.engine.mtp import check_mtp_files
+
+        check_mtp_files(model_dir, config)
     fields = {"parallel": parallel, "tp_weights": args.tp_weights, "layer_split": args.layer_split}
     if expert_split:
         fields["expert_split"] = expert_split
@@ -50,6 +54,13 @@ def draft_fields(args: argparse.Namespace) -> dict:
     copy (the coordinator checks first that it has one: fabric.check_draft)."""
     if not getattr(args, "draft_model", None):
         return {}
+    if args.draft_model == "mtp":  # the model's own multi-token-prediction layer (engine/mtp.py)
+        if getattr(args, "cluster", False):
+            raise ThunderpoolError(
+                "--draft-model mtp is not supported with --cluster: the fabric's shards do not "
+                "carry the MTP layer to the leader; run without --cluster or without the draft"
+            )
+        return {"draft_model": "mtp", "spec_k": args.spec_k}
     if getattr(args, "cluster", False):
         return {"draft_model": args.draft_model, "spec_k": args.spec_k}
     from thunderpool.models.source import resolve_model
@@ -306,6 +317,12 @@ def _spec_bench(model_dir: Path, args: argparse.Namespace, console: Console, bac
         draft = model_dir.with_name(f"{model_dir.name}-draft{args.draft_layers}")
         if not (draft / "config.json").is_file():
             write_truncated(model_dir, args.draft_layers, draft)
+    elif args.draft_model == "mtp":  # the model's own MTP layer: RankJob.draft_model "mtp"
+        from thunderpool.engine.loader import read_config
+        from thunderpool.engine.mtp import check_mtp_files
+
+        check_mtp_files(model_dir, read_config(model_dir))
+        draft = Path("mtp")
     else:
         draft = resolve_model(args.draft_model)
     layouts = [(1, "tp")] + [(n, m) for n in args.nodes for m in args.modes if n > 1]

@@ -46,7 +46,11 @@ def run(job: RankJob) -> None:
     if group.size() != job.world_size:
         raise ThunderpoolError(f"MLX formed a group of {group.size()}, expected {job.world_size}")
     emit("runtime", **runtime(job))
-    layout = Layout(job.parallel, job.tp_weights, job.layer_split, job.expert_split, job.compile)
+    # An MTP draft reads every prefill position's hidden state (engine/mtp.py).
+    mtp = job.draft_model == "mtp"
+    layout = Layout(
+        job.parallel, job.tp_weights, job.layer_split, job.expert_split, job.compile, mtp
+    )
     progress = load_progress(group.rank())
     match job.task:
         case ServeTask() as task:

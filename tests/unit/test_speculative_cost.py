@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from thunderpool.errors import ThunderpoolError
 from thunderpool.planner.cost import predict
 from thunderpool.planner.presets import parse_cluster
 from thunderpool.planner.simulate import load_model, simulate
@@ -41,3 +42,30 @@ def test_a_verify_step_is_priced_as_a_batch_of_k_plus_one(tp4):
     # A draft nobody accepts only costs time; one always accepted gains.
     assert predict_speculative(spec, plan.stages, nodes, links, draft, 0.0, 4).speedup < 1
     assert predict_speculative(spec, plan.stages, nodes, links, draft, 1.0, 4).speedup > 1
+
+
+def test_an_mtp_draft_is_one_layer_of_the_model_with_its_head():
+    """`simulate --draft mtp`: DeepSeek V3's MTP layer reads one MoE layer's active experts,
+    eh_proj and the output head per draft token: far less than a separate 0.6B draft's
+    28 layers cost, so the same acceptance buys more."""
+    from thunderpool.planner.speculative import mtp_draft
+
+    spec = load_model("deepseek-v3:q4")
+    draft = mtp_draft(spec)
+    eh = 2 * spec.hidden * spec.hidden * spec.head_bytes / (spec.vocab * spec.hidden)
+    assert draft.layers == 1
+    assert draft.total_bytes == pytest.approx(
+        spec.bytes_per_layer[-1] + eh + spec.embed_bytes + spec.head_bytes + spec.norm_bytes
+    )
+    cluster = parse_cluster("4x m3-ultra-512@tb5-rdma")
+    plan = next(p for p in simulate(spec, cluster) if p.kind == "tp" and len(p.nodes) == 4)
+    listed, links = cluster.specs()
+    nodes = {n.name: n for n in listed}
+    mtp = predict_speculative(spec, plan.stages, nodes, links, draft, 0.85, 1)
+    small = predict_speculative(
+        spec, plan.stages, nodes, links, load_model("qwen3-0.6b:q8"), 0.85, 1
+    )
+    assert mtp.draft_s < small.draft_s / 2
+    assert mtp.speedup > small.speedup > 1
+    with pytest.raises(ThunderpoolError, match="kimi_k2 checkpoints do not ship"):
+        mtp_draft(load_model("kimi-k2"))

@@ -60,6 +60,8 @@ class Executor:
             self.spec_stats = SpecStats()
             # Leader: whether a batch of rows may speculate (uneven rejected tails cut).
             self.rows_trimmable = rows_trimmable(runner.make_cache())
+            # An MTP draft reads the target's final hidden states (engine/mtp.py).
+            runner.keep_hidden = getattr(drafter, "wants_hidden", False)
         self.leads = control.rank == 0
         self.state = BatchState(runner)
         self.pipeline = overlaps(runner) if pipeline is None else pipeline
@@ -134,6 +136,8 @@ class Executor:
             entry, n = p.reuse
             self.state.start(p.sid, self.prefix.restore(entry, n, self.runner.make_cache()))
         out = self.state.prefill(p.sid, list(p.tokens))
+        if self._feeds_hidden():
+            self.drafter.observe(p.sid, self.runner.hidden[0], tail=True)
         self.prefix.evict(p.evict)
         if p.store is not None:
             self.prefix.keep(p.store, self.state.pending[p.sid])
@@ -178,6 +182,9 @@ class Executor:
             last = sink.last_step()
             exchanged = self.control.burst_step(y, rows, last)
             logits = self.state.decode(exchanged[1:])
+            if self._feeds_hidden():
+                for row, sid in enumerate(self.state.rows):
+                    self.drafter.observe(sid, self.runner.hidden[row])
             nxt = sample_rows(logits, samplers)
             if self.pipeline:
                 mx.async_eval(nxt)
@@ -186,6 +193,10 @@ class Executor:
             pending, y = (list(self.state.rows), nxt, logits), nxt
         self._deliver(sink, *pending)
         self.next, self._first_logits = y, None
+
+    def _feeds_hidden(self) -> bool:
+        """Leader: whether the draft reads the target's hidden states (an MTP draft)."""
+        return self.leads and self.drafter is not None and self.runner.keep_hidden
 
     def _deliver(self, sink: Sink, sids: list[int], y: mx.array, logits) -> None:
         tokens = y.tolist()

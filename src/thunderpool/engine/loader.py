@@ -37,6 +37,9 @@ class Layout:
     layer_split: tuple[int, ...] | None = None
     expert_split: tuple[int, ...] | None = None  # EP: routed experts per rank (default: weights)
     compile: bool = True  # compiled decode steps where proven equal (engine/compiled.py)
+    # PP: the last stage hands the leader every prefill position's hidden state, not only
+    # the last one's (an MTP draft reads them all: engine/mtp.py).
+    every_position: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,10 +131,9 @@ def build_lazy(model_dir: Path) -> tuple[nn.Module, dict]:
     try:
         if manifest.is_file():
             slices = json.loads(manifest.read_text()).get("slices", {})
-            return load_model(
-                model_dir, lazy=True, strict=False, get_model_classes=_padding(slices, model_dir)
-            )
-        return load_model(model_dir, lazy=True, strict=True)
+            classes = _without_mtp(_padding(slices, model_dir))
+            return load_model(model_dir, lazy=True, strict=False, get_model_classes=classes)
+        return load_model(model_dir, lazy=True, strict=True, get_model_classes=_without_mtp())
     except ValueError as e:
         if "not supported" in str(e):
             raise ModelError(
@@ -140,6 +142,30 @@ def build_lazy(model_dir: Path) -> tuple[nn.Module, dict]:
                 "qwen3_moe, mistral, ...) or upgrade mlx-lm"
             ) from e
         raise ModelError(f"cannot build the model in {model_dir}: {e}") from e
+
+
+def _without_mtp(get_classes=_get_classes):
+    """mlx-lm's model classes, whose sanitize() also drops the multi-token-prediction layers
+    stored after the model's own (model.layers.{n}, ...): deepseek_v3's drops only layer 61,
+    whatever the layer count. The leader's MTP draft reads them itself (engine/mtp.py)."""
+
+    def classes(config: dict):
+        model_cls, args_cls = get_classes(config)
+        n, extra = config.get("num_hidden_layers"), config.get("num_nextn_predict_layers")
+        if not (n and extra):
+            return model_cls, args_cls
+        drop = tuple(f"model.layers.{n + i}." for i in range(int(extra)))
+
+        def sanitize(self, weights: dict) -> dict:
+            weights = {k: v for k, v in weights.items() if not k.startswith(drop)}
+            base = getattr(model_cls, "sanitize", None)
+            return base(self, weights) if base is not None else weights
+
+        kept = type(model_cls.__name__, (model_cls,), {"sanitize": sanitize})
+        kept.__module__ = model_cls.__module__  # families are named by their module
+        return kept, args_cls
+
+    return classes
 
 
 def _padding(slices: dict, model_dir: Path):
@@ -252,7 +278,9 @@ def load_shard(
     )
     # EP reads each MoE layer's routes on the host, which a traced graph cannot.
     compiled = layout.compile and layout.parallel != "ep"
-    return Runner(model, group, stage, compiled), config, stats
+    runner = Runner(model, group, stage, compiled)
+    runner.every_position = layout.every_position
+    return runner, config, stats
 
 
 def preflight(model_dir: Path, world_size: int, layout: Layout) -> dict:

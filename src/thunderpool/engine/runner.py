@@ -25,6 +25,10 @@ class Runner:
         self.model, self.group, self.stage = model, group, stage
         self.rank, self.size = group.rank(), group.size()
         self.is_leader = self.rank == 0
+        # Leader with an MTP draft (engine/mtp.py): keep each forward's final hidden states.
+        self.keep_hidden = False
+        self.hidden: mx.array | None = None  # (B, L, D) of the last forward, when kept
+        self.every_position = False  # PP, every rank alike: prefill hands over all positions
         # TP ranks each project onto their part of the vocabulary, then all_gather the logits.
         self.every_rank_projects = stage is None and has_split_head(model)
         # Decode steps replay one compiled graph where that is proven equal (engine/compiled.py).
@@ -39,12 +43,13 @@ class Runner:
     def forward(self, tokens: mx.array, cache: list) -> mx.array | None:
         """tokens (B, L) -> logits (B, V) on the leader; on followers, what must be evaluated."""
         if self.stage is not None:
-            return self._finish(self.stage.forward(tokens, cache))
+            h = self.stage.forward(tokens, cache, last_only=not self.every_position)
+            return self._finish(h)
         return self._finish(self.model.model(tokens, cache=cache))
 
     def decode(self, tokens: mx.array, cache: list) -> mx.array | None:
         """One step of tokens (B, 1): `forward`, compiled where the model and cache allow."""
-        if self.compiled is not None and compiled.eligible(cache):
+        if self.compiled is not None and compiled.eligible(cache) and not self.keep_hidden:
             return self.compiled.decode(tokens, cache)
         return self.forward(tokens, cache)
 
@@ -52,6 +57,8 @@ class Runner:
         """The last position's logits on ranks that project; h (or None) elsewhere."""
         if h is None:
             return None
+        if self.keep_hidden:
+            self.hidden = h
         h = h[:, -1:, :]
         if not (self.is_leader or self.every_rank_projects):
             return h  # TP followers evaluate the same all_sums as the leader; PP ones get None
@@ -64,6 +71,8 @@ class Runner:
             h = self.stage.forward(tokens, cache, last_only=False)
         else:
             h = self.model.model(tokens, cache=cache)
+        if self.keep_hidden:
+            self.hidden = h
         if not (self.is_leader or self.every_rank_projects):
             return h
         return self.project(h)

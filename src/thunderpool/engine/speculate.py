@@ -338,6 +338,9 @@ def lead(executor: Executor, k: int, sink, fresh: int | None) -> None:
             drafter.settle(sids[i], n, accepted)
             stats.steps, stats.proposed = stats.steps + 1, stats.proposed + n
             stats.accepted, stats.emitted = stats.accepted + accepted, stats.emitted + len(outs[i])
+        if ex.runner.keep_hidden:  # an MTP draft reads every row's kept positions' states
+            for i, o in enumerate(outs):
+                drafter.observe(sids[i], ex.runner.hidden[i, : len(o)])
         trims, t0s, go = [n + 1 - len(o) for o in outs], [o[-1] for o in outs], not last
     ex.control.share_ints([0, 0, *trims, *[0] * (B * (k + 1))], _width(B, k))
     ex.state.trim_rows(trims)
@@ -383,9 +386,13 @@ def follow(executor: Executor, k: int) -> None:
 
 
 def drafter_for(job) -> Drafter | None:
-    """The leader's draft model for a RankJob that names one (--draft-model)."""
+    """The leader's draft for a RankJob that names one (--draft-model DIR, or mtp)."""
     if job.draft_model is None:
         return None
+    if job.draft_model == "mtp":  # the model's own multi-token-prediction layer
+        from thunderpool.engine.mtp import load_mtp_drafter
+
+        return load_mtp_drafter(Path(job.model_dir), job.spec_k)
     return load_drafter(Path(job.draft_model), Path(job.model_dir), job.spec_k)
 
 

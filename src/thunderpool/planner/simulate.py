@@ -190,7 +190,8 @@ def add_simulate_parser(sub) -> None:
     p.add_argument(
         "--draft",
         default="qwen3-0.6b:q8",
-        help="the draft model for --spec-accept, as --model (default qwen3-0.6b:q8)",
+        help="the draft model for --spec-accept, as --model (default qwen3-0.6b:q8), or mtp: "
+        "the model's own multi-token-prediction layer (DeepSeek V3, GLM)",
     )
     p.add_argument(
         "--validate",
@@ -235,7 +236,12 @@ def simulate_main(args: argparse.Namespace) -> int:
         from thunderpool.planner.speculative import spec_table
 
         shown = distinct(plans, cluster)[: args.top]
-        draft = load_model(args.draft)
+        if args.draft == "mtp":  # the model's own MTP layer (planner/speculative.py)
+            from thunderpool.planner.speculative import mtp_draft
+
+            draft = mtp_draft(spec)
+        else:
+            draft = load_model(args.draft)
         console.print(
             spec_table(spec, shown, cluster, draft, args.spec_accept, args.spec_k, prompt)
         )

@@ -11,8 +11,9 @@ today's engine does not overlap drafting with verifying. With per-token acceptan
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from thunderpool.errors import ThunderpoolError
 from thunderpool.planner.cost import LinkSpec, NodeSpec, Stage, predict
 from thunderpool.planner.spec import ModelSpec
 
@@ -42,6 +43,51 @@ def expected_tokens(accept: float, k: int) -> float:
     if accept == 1:
         return k + 1.0
     return (1 - accept ** (k + 1)) / (1 - accept)
+
+
+# Families whose published checkpoints ship an MTP layer (DeepSeek V3/R1 and V3.2, GLM-4.5
+# and GLM-5); the engine drafts with those of deepseek_v3 and glm4_moe (engine/mtp.py).
+MTP_FAMILIES = frozenset({"deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa"})
+
+
+def mtp_draft(spec: ModelSpec) -> ModelSpec:
+    """The model's own multi-token-prediction layer as its draft (`--draft mtp`, engine/mtp.py):
+    one decoder layer like the model's last (DeepSeek V3's and GLM's MTP layers are MoE
+    layers), plus eh_proj (2 x hidden -> hidden, stored like the head), the embedding and the
+    output head, all read on the leader for each draft token."""
+    if spec.model_type not in MTP_FAMILIES:
+        raise ThunderpoolError(
+            f"--draft mtp prices the model's own multi-token-prediction layer, which "
+            f"{spec.model_type} checkpoints do not ship (those of {', '.join(sorted(MTP_FAMILIES))}"
+            " do); use --draft NAME for a separate draft model"
+        )
+    width = (spec.head_bytes or spec.embed_bytes) / (spec.vocab * spec.hidden)
+    eh_params = 2 * spec.hidden * spec.hidden
+    eh_bytes = int(eh_params * width)
+
+    def last(values: tuple, extra: float = 0) -> tuple:
+        return (type(values[-1])(values[-1] + extra),) if values else ()
+
+    draft = replace(
+        spec,
+        layers=1,
+        bytes_per_layer=last(spec.bytes_per_layer, eh_bytes),
+        attn_bytes_per_layer=last(spec.attn_bytes_per_layer),
+        kv_proj_bytes_per_layer=last(spec.kv_proj_bytes_per_layer),
+        expert_bytes_per_layer=last(spec.expert_bytes_per_layer),
+        active_params_per_layer=last(spec.active_params_per_layer, eh_params),
+        matmuls_per_layer=last(spec.matmuls_per_layer, 1),
+        dispatches_per_layer=last(spec.dispatches_per_layer, 1),
+        routed_active_per_layer=last(spec.routed_active_per_layer),
+        compress_ratios=last(spec.compress_ratios),
+    )
+    share = draft.total_bytes / spec.total_bytes
+    head = spec.vocab * spec.hidden
+    return replace(
+        draft,
+        params=int(spec.params * share),
+        active_params=draft.active_params_per_layer[0] + head,
+    )
 
 
 def best_k(accept: float, draft_s: float, verify_s_of, k_max: int = 16) -> int:
