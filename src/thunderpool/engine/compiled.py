@@ -21,6 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from thunderpool.engine import fused
+
 # Families whose attention reads the cache only through offset, update_and_fetch and
 # make_mask (the contract _StepCache keeps), proven equal by the tests.
 COMPILED_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
@@ -82,15 +84,19 @@ def eligible(cache: list) -> bool:
 
 
 class CompiledDecode:
-    """`decode(tokens (B, 1), cache)`: the forward of `body` on a one-token step, compiled."""
+    """`decode(tokens (B, 1), cache)`: a one-token forward then `finish` (the runner's head),
+    compiled. The forward is the fused one (engine/fused.py) where the model's structure
+    allows, else mlx-lm's own."""
 
-    def __init__(self, model: nn.Module, body: Callable[[mx.array, list], mx.array]):
+    def __init__(self, model: nn.Module, finish: Callable[[mx.array], mx.array | None]):
         self.model = model
+        self.fused = fused.build(model)  # fuses the projections' weights in place (views)
+        forward = self.fused or (lambda tokens, cache: model.model(tokens, cache=cache))
 
         def step(tokens, idx, left, *buffers):
             n = len(buffers) // 2
             cache = [_StepCache(buffers[i], buffers[n + i], idx, left) for i in range(n)]
-            out = body(tokens, cache)
+            out = finish(forward(tokens, cache))
             return (out, *[c.keys for c in cache], *[c.values for c in cache])
 
         self._step = mx.compile(step)

@@ -30,8 +30,7 @@ class Runner:
         # Decode steps replay one compiled graph where that is proven equal (engine/compiled.py).
         self.compiled = None
         if compile and stage is None and compiled.supports(model):
-            body = lambda tokens, cache: self._finish(self.model.model(tokens, cache=cache))  # noqa: E731
-            self.compiled = compiled.CompiledDecode(model, body)
+            self.compiled = compiled.CompiledDecode(model, self._finish)
 
     def make_cache(self) -> list:
         return make_prompt_cache(self.model)
