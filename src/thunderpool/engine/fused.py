@@ -232,6 +232,7 @@ def build(model: nn.Module) -> FusedForward | None:
         dense = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
         gate_up = fuse([mlp.gate_proj, mlp.up_proj]) if dense else None
         inter = mlp.gate_proj.weight.shape[0] if gate_up is not None else 0
+        mx.clear_cache()  # return the unfused arrays now, not after every layer's fusing
         layers.append(
             Layer(
                 module=layer,
