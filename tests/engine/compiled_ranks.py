@@ -64,13 +64,15 @@ def fused(runner: Runner) -> bool:
 
 
 def main(spec_path: str, out_path: str) -> None:
+    """Every (layout, model) of the spec, in one launch of the ranks: {"tp/llama": ...}."""
     spec = json.loads(Path(spec_path).read_text())
     group = mx.distributed.init(backend="ring", strict=True)
     results = {}
-    for name, model in spec["models"].items():
-        runner, _, _ = load_shard(Path(model), group, Layout(spec["parallel"]))
-        reference, _, _ = load_shard(Path(model), group, Layout(spec["parallel"], compile=False))
-        results[name] = {**compare(runner, reference), "fused": fused(runner)}
+    for parallel, models in spec["layouts"].items():
+        for name, model in models.items():
+            runner, _, _ = load_shard(Path(model), group, Layout(parallel))
+            reference, _, _ = load_shard(Path(model), group, Layout(parallel, compile=False))
+            results[f"{parallel}/{name}"] = {**compare(runner, reference), "fused": fused(runner)}
     if group.rank() == 0:
         Path(out_path).write_text(json.dumps(results))
 

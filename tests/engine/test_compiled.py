@@ -5,7 +5,8 @@ Expected: fp32 logits within 1e-5 at every step of a lone row, a left-padded bat
 rows and the batch after one leaves (tests/engine/compiled_ranks.py), hence identical greedy
 tokens; every step compiled, and through the fused forward, where the family is proven, none
 where it is not (eager only, never approximately); the same for 4-bit weights (fused scales
-and biases). TP2 runs the same on two ring ranks on loopback, each rank fusing its own shards.
+and biases). TP2 and PP2 run the same on two ring ranks on loopback, each rank fusing its own shards
+(TP) or layers (PP: a stage compiles its own layers; recv and send stay outside the graph).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from thunderpool.engine.runner import Runner
 TOL = 1e-5
 PROVEN = ("llama", "qwen2", "qwen3", "qwen3_moe")
 TP2 = ("llama", "qwen3", "qwen3_moe")  # qwen3: uneven KV heads (3 on 2 ranks)
+PP2 = ("llama", "qwen3_moe")  # qwen3_moe's stages: dense, then MoE layers
 STEPS = sum(steps for _, _, steps in PHASES)
 
 
@@ -73,7 +75,7 @@ def test_fused_weights_are_views_and_unfused_compile_still_equal(family_dirs, mo
     q_bytes = attn.q_proj.weight.nbytes  # k's rows follow q's in the fused weight
     assert address(attn.k_proj.weight) == address(layer.qkv.weight) + q_bytes
     assert address(attn.q_proj.bias) == address(layer.qkv.bias)
-    monkeypatch.setattr(compiled.fused, "build", lambda model: None)
+    monkeypatch.setattr(compiled.fused, "build", lambda model, local=None: None)
     runner, _, _ = load_shard(family_dirs["llama"], group, Layout())
     reference, _, _ = load_shard(family_dirs["llama"], group, Layout(compile=False))
     assert runner.compiled is not None and not fused(runner)
@@ -92,20 +94,23 @@ def test_fused_quantized_equals_eager(family_dirs):
     check(compare(*runners), True)
 
 
-def test_no_compile_and_pipeline_stages_stay_eager(family_dirs):
+def test_no_compile_stays_eager(family_dirs):
     runner, _, _ = load_shard(family_dirs["llama"], mx.distributed.init(), Layout())
     assert Runner(runner.model, runner.group, None, compile=False).compiled is None
-    assert Runner(runner.model, runner.group, object()).compiled is None  # any PP stage
     assert compiled.supports(runner.model)
 
 
 @pytest.mark.slow
-def test_tp2_compiled_equals_eager(family_dirs, tmp_path):
-    spec = {"parallel": "tp", "models": {k: str(family_dirs[k]) for k in TP2}}
-    results = _run_ranks(spec, 2, tmp_path)
-    for kind in TP2:
-        check(results[kind], True)
-        assert results[kind]["fused"]
+def test_tp2_and_pp2_compiled_equal_eager(family_dirs, tmp_path):
+    layouts = {
+        "tp": {k: str(family_dirs[k]) for k in TP2},
+        "pp": {k: str(family_dirs[k]) for k in PP2},
+    }
+    results = _run_ranks({"layouts": layouts}, 2, tmp_path)
+    assert sorted(results) == sorted(f"{p}/{k}" for p, ks in layouts.items() for k in ks)
+    for result in results.values():
+        check(result, True)
+        assert result["fused"]
 
 
 def _run_ranks(spec: dict, nodes: int, tmp: Path, timeout: float = 300.0) -> dict:

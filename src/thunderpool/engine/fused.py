@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
 
 FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
 
@@ -69,6 +70,11 @@ def _plain(m: nn.Module) -> bool:
     return type(m).__name__ in names and "weight" in m
 
 
+def _names(m: nn.Module) -> tuple[str, ...]:
+    """The arrays a projection holds (mxfp formats have scales but no biases)."""
+    return tuple(n for n in _ARRAYS if isinstance(m.get(n), mx.array))
+
+
 def _quant(m: nn.Module) -> tuple:
     return (m.group_size, m.bits, getattr(m, "mode", "affine")) if "scales" in m else ()
 
@@ -79,7 +85,7 @@ def fuse(modules: list[nn.Module]) -> Projection | None:
     evaluated). None when they differ in kind (plain/quantized, bits, bias)."""
     if not all(_plain(m) for m in modules):
         return None
-    kinds = {(_quant(m), tuple(n for n in _ARRAYS if n in m)) for m in modules}
+    kinds = {(_quant(m), _names(m)) for m in modules}
     if len(kinds) != 1:
         return None
     (quant, names) = kinds.pop()
@@ -101,7 +107,7 @@ def _linear(m: nn.Module) -> Projection | None:
     if not _plain(m):
         return None
     q = dict(zip(("group_size", "bits", "mode"), _quant(m), strict=True)) if "scales" in m else {}
-    return Projection(**{n: m[n] for n in _ARRAYS if n in m}, **q)
+    return Projection(**{n: m[n] for n in _names(m)}, **q)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +147,10 @@ class FusedForward:
         self.layers, self.inv_freqs, self.head_dim = layers, inv_freqs, dims
 
     def __call__(self, tokens: mx.array, caches: list) -> mx.array:
-        h = self.inner.embed_tokens(tokens)
+        return self.inner.norm(self.layers_forward(self.inner.embed_tokens(tokens), caches))
+
+    def layers_forward(self, h: mx.array, caches: list) -> mx.array:
+        """h (B, 1, D) through the fused layers (a PP stage's own), one cache each."""
         first = caches[0]
         tables = {}  # (heads, kv heads) -> rotation tables, shared by layers alike
         mask = self._mask(first.keys.shape[2], first.idx, first.left, h.dtype)
@@ -150,7 +159,7 @@ class FusedForward:
             if key not in tables:
                 tables[key] = self._tables(first.offset, *key, h.dtype)
             h = self._layer(h, layer, cache, mask, *tables[key])
-        return self.inner.norm(h)
+        return h
 
     def _mask(self, capacity: int, idx: mx.array, left: mx.array, dtype) -> mx.array:
         """(B, 1, 1, capacity): 0 on each row's written positions, a large negative elsewhere."""
@@ -194,13 +203,14 @@ class FusedForward:
         if layer.gate_up is None:
             return h + m.mlp(x)
         gu = layer.gate_up(x)
-        y = nn.silu(gu[..., : layer.inter]) * gu[..., layer.inter :]
+        y = swiglu(gu[..., : layer.inter], gu[..., layer.inter :])
         return layer.down(y, h) if layer.down is not None else h + m.mlp.down_proj(y)
 
 
-def build(model: nn.Module) -> FusedForward | None:
-    """Fuses the projections of `model` (this rank's shards) and returns its fused forward;
-    None, leaving the model as it was, where its structure is not the one above."""
+def build(model: nn.Module, local: range | None = None) -> FusedForward | None:
+    """Fuses the projections of `model` (this rank's shards; of its `local` layers on a PP
+    stage) and returns its fused forward; None, leaving the values as they were, where its
+    structure is not the one above."""
     inner = getattr(model, "model", None)
     args = getattr(model, "args", None)
     if getattr(args, "model_type", None) not in FAMILIES or inner is None:
@@ -208,7 +218,9 @@ def build(model: nn.Module) -> FusedForward | None:
     if any(getattr(layer, "use_sliding", False) for layer in inner.layers):
         return None
     plans = []
-    for layer in inner.layers:
+    for i, layer in enumerate(inner.layers):
+        if local is not None and i not in local:
+            continue
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if attn is None or mlp is None:
             return None
@@ -223,8 +235,8 @@ def build(model: nn.Module) -> FusedForward | None:
         if inv is None:
             return None
         plans.append((layer, attn, mlp, projs, H, K, d, inv))
-    if not plans:
-        return None
+    if not plans or len({p[6] for p in plans}) > 1:
+        return None  # the step's RoPE tables take one head width for every layer
     layers = []
     for layer, attn, mlp, projs, H, K, _, _ in plans:
         if (qkv := fuse(projs)) is None:
@@ -232,7 +244,7 @@ def build(model: nn.Module) -> FusedForward | None:
         dense = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
         gate_up = fuse([mlp.gate_proj, mlp.up_proj]) if dense else None
         inter = mlp.gate_proj.weight.shape[0] if gate_up is not None else 0
-        mx.clear_cache()  # return the unfused arrays now, not after every layer's fusing
+        mx.clear_cache()  # hand the unfused arrays' memory back layer by layer
         layers.append(
             Layer(
                 module=layer,

@@ -66,9 +66,9 @@ def matmul_equivalents(kernels: int) -> float:
 
 
 # The compiled, fused decode step: families (mlx-lm model_type, as engine/compiled.py's
-# COMPILED_FAMILIES) and plan kinds (PP, hybrid and EP ranks decode eagerly).
+# COMPILED_FAMILIES) and plan kinds (hybrid and EP ranks decode eagerly).
 COMPILED_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
-COMPILED_KINDS = frozenset({"single", "tp"})
+COMPILED_KINDS = frozenset({"single", "tp", "pp"})
 # Fused GQA attention: the q|k|v matmul; one rotation pass over q and k; key and value cache
 # writes; scores (mask added in the matmul), softmax, values; the o matmul.
 FUSED_GQA = 1 + 1 + 2 + 3 + 1
