@@ -1,8 +1,9 @@
 """Compiled against eager decode of the same batch scenario, alike on every rank.
 
-Each rank runs the scenario twice (eager, then compiled) on the runner directly, so TP's
-all_sums line up without the engine's protocol: a row prefills and decodes alone, a second
-row of another length joins (a left-padded batch), then the first leaves. Inputs are fixed
+Each rank runs the scenario twice (eager on the model loaded with compile off, so with
+unfused projections; then compiled and fused) on the runners directly, so TP's all_sums
+line up without the engine's protocol: a row prefills and decodes alone, a second row of
+another length joins (a left-padded batch), then the first leaves. Inputs are fixed
 tokens (teacher forcing), so every step compares the same logits. Multi-rank:
 `python compiled_ranks.py SPEC.json OUT.json` under MLX_RANK/MLX_HOSTFILE (ring).
 """
@@ -51,17 +52,27 @@ def scenario(runner: Runner, compiled: bool) -> dict:
     return {"logits": logits, "compiled_steps": used}
 
 
-def compare(runner: Runner) -> dict:
-    return {"eager": scenario(runner, False), "compiled": scenario(runner, True)}
+def compare(runner: Runner, reference: Runner) -> dict:
+    """The compiled (and fused) decode of `runner` against the eager decode of `reference`,
+    the same model loaded with compile off: its projections unfused."""
+    return {"eager": scenario(reference, False), "compiled": scenario(runner, True)}
+
+
+def fused(runner: Runner) -> bool:
+    """Whether the compiled step runs the fused forward (engine/fused.py)."""
+    return runner.compiled is not None and runner.compiled.fused is not None
 
 
 def main(spec_path: str, out_path: str) -> None:
+    """Every (layout, model) of the spec, in one launch of the ranks: {"tp/llama": ...}."""
     spec = json.loads(Path(spec_path).read_text())
     group = mx.distributed.init(backend="ring", strict=True)
     results = {}
-    for name, model in spec["models"].items():
-        runner, _, _ = load_shard(Path(model), group, Layout(spec["parallel"]))
-        results[name] = compare(runner)
+    for parallel, models in spec["layouts"].items():
+        for name, model in models.items():
+            runner, _, _ = load_shard(Path(model), group, Layout(parallel))
+            reference, _, _ = load_shard(Path(model), group, Layout(parallel, compile=False))
+            results[f"{parallel}/{name}"] = {**compare(runner, reference), "fused": fused(runner)}
     if group.rank() == 0:
         Path(out_path).write_text(json.dumps(results))
 

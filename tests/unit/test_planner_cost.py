@@ -228,21 +228,41 @@ def test_dispatch_counts_every_kernel_of_a_layer_in_llama_matmul_units():
     assert spec.dispatches_per_layer == pytest.approx((dense,) + (routed,) * 7)
 
 
-def test_dispatch_time_is_kernels_times_latency_and_compiled_scales_it():
-    from thunderpool.planner.cost import COMPILED_DISPATCH
+def test_dispatch_time_is_kernels_times_latency_and_compiled_counts_its_own():
+    from thunderpool.planner import dispatch as d
 
     spec = model_spec_from_config(QWEN3_MOE)
-    nodes = {"a": NodeSpec("a", 64 * GiB, 60 * GiB, 100e9, 1e15, op_latency_s=10e-6)}
+    nodes = {n: NodeSpec(n, 64 * GiB, 60 * GiB, 100e9, 1e15, op_latency_s=10e-6) for n in "ab"}
     stage = [Stage(("a",), (0, 8), (1.0,))]
     eager = predict(spec, stage, nodes, [], prompt_tokens=16)
     compiled = predict(spec, stage, nodes, [], prompt_tokens=16, compiled=True)
     assert eager.breakdown.dispatch_s == pytest.approx(
         (sum(spec.dispatches_per_layer) + 1) * 10e-6, rel=1e-12
     )
-    assert compiled.breakdown.dispatch_s == pytest.approx(
-        COMPILED_DISPATCH * eager.breakdown.dispatch_s, rel=1e-12
-    )
+    # Every layer routed: the fused attention with QK norms, the MoE block called whole.
+    unit = d.REFERENCE_MATMULS / d.REFERENCE_KERNELS
+    layer = (1 + d.FUSED_GQA + d.FUSED_QK_NORM + 2 + d.QWEN_ROUTER + d.EXPERTS) * unit
+    assert compiled.breakdown.dispatch_s == pytest.approx((8 * layer + 1) * 10e-6, rel=1e-12)
+    assert compiled.breakdown.dispatch_s < eager.breakdown.dispatch_s
     assert compiled.breakdown.memory_s == eager.breakdown.memory_s
+    # A plain llama layer: 13 kernels on one rank; TP adds the two residual adds back.
+    assert d.compiled_layer_kernels("llama", False, False) == pytest.approx(13 * unit)
+    assert d.compiled_layer_kernels("llama", False, True) == pytest.approx(15 * unit)
+    # Families without a compiled step keep their eager count.
+    glm = model_spec_from_config(GLM)
+    glm_stage = [Stage(("a",), (0, glm.layers), (1.0,))]
+    a = predict(glm, glm_stage, nodes, [], prompt_tokens=16, compiled=True)
+    assert a.breakdown == predict(glm, glm_stage, nodes, [], prompt_tokens=16).breakdown
+
+
+def test_engine_and_planner_agree_on_what_compiles():
+    from thunderpool.engine import compiled, fused
+    from thunderpool.planner import dispatch as d
+
+    assert d.COMPILED_FAMILIES == compiled.COMPILED_FAMILIES == fused.FAMILIES
+    assert d.compiles("qwen3", "tp") and d.compiles("llama", "single")
+    assert d.compiles("qwen3_moe", "pp") and not d.compiles("llama", "hybrid")
+    assert not d.compiles("gemma3_text", "single")
 
 
 @pytest.mark.parametrize("prompt", [256, 4096])
@@ -265,3 +285,18 @@ def test_moe_prefill_runs_expert_matmuls_at_their_rows_efficiency(prompt):
     assert slow.ttft_s - plain.ttft_s == pytest.approx(extra, rel=1e-9)
     dense = model_spec_from_config(CONFIG)
     assert cost.expert_efficiency(dense, prompt) == 1.0
+
+
+def test_plans_record_the_compiled_step_and_price_its_kernels():
+    from thunderpool.planner.presets import parse_cluster
+    from thunderpool.planner.simulate import load_model, simulate
+
+    spec, cluster = load_model("qwen3-4b"), parse_cluster("2x m3-ultra-512@tb5-rdma")
+    plans = {(p.kind, len(p.nodes)): p for p in simulate(spec, cluster)}
+    eager = {(p.kind, len(p.nodes)): p for p in simulate(spec, cluster, compiled=False)}
+    assert all(plans[k].compiled for k in (("single", 1), ("tp", 2), ("pp", 2)))
+    assert not any(p.compiled for p in eager.values())
+    for key in (("single", 1), ("tp", 2), ("pp", 2)):
+        a, b = plans[key].prediction, eager[key].prediction
+        assert a.breakdown.dispatch_s < b.breakdown.dispatch_s and a.decode_tps > b.decode_tps
+        assert a.breakdown.memory_s == b.breakdown.memory_s

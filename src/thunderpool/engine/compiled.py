@@ -6,8 +6,8 @@ buffers that grow and are sliced to the offset), which a traced graph would free
 step is functional: it takes each layer's preallocated key/value buffers, the write index
 and the rows' left padding as arrays and returns the new buffers; the mlx-lm cache objects
 stay the source of truth between steps, so prefill, join and drop are unchanged. TP's
-all_sums are traced into the graph like any other op. PP stages are not compiled (their
-send/recv and hand-off run outside any graph).
+all_sums are traced into the graph like any other op. A PP stage compiles its own layers
+only (with the fused forward): the recv before them and the send after run outside the graph.
 
 Only families whose compiled step is proven equal to the eager one (tests/engine/
 test_compiled.py) compile; any other decodes eagerly, never approximately.
@@ -20,6 +20,9 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from thunderpool.engine import fused
+from thunderpool.parallel.pipeline import PipelineStage
 
 # Families whose attention reads the cache only through offset, update_and_fetch and
 # make_mask (the contract _StepCache keeps), proven equal by the tests.
@@ -81,22 +84,42 @@ def eligible(cache: list) -> bool:
     )
 
 
+def build(
+    model: nn.Module,
+    finish: Callable[[mx.array], mx.array | None],
+    stage: PipelineStage | None = None,
+) -> CompiledDecode | None:
+    """The compiled step of a runner: on one rank or TP, tokens (B, 1) through a one-token
+    forward then `finish` (the runner's head); on a PP stage, the received hidden state
+    (B, 1, D) through the stage's own layers and the final norm (an identity but on the last
+    stage). The forward is the fused one (engine/fused.py) where the model's structure allows,
+    else mlx-lm's own; a PP stage compiles only the fused one (None otherwise)."""
+    # Fuses the projections' weights in place (the modules keep views).
+    run = fused.build(model, stage.local if stage is not None else None)
+    if stage is not None:
+        if run is None:
+            return None
+        return CompiledDecode(lambda h, cache: run.inner.norm(run.layers_forward(h, cache)), run)
+    plain = run or (lambda tokens, cache: model.model(tokens, cache=cache))
+    return CompiledDecode(lambda tokens, cache: finish(plain(tokens, cache)), run)
+
+
 class CompiledDecode:
-    """`decode(tokens (B, 1), cache)`: the forward of `body` on a one-token step, compiled."""
+    """`decode(x, cache)`: `forward(x, step caches)` compiled, on the mlx-lm caches."""
 
-    def __init__(self, model: nn.Module, body: Callable[[mx.array, list], mx.array]):
-        self.model = model
+    def __init__(self, forward: Callable, fused_forward: fused.FusedForward | None):
+        self.fused = fused_forward
 
-        def step(tokens, idx, left, *buffers):
+        def step(x, idx, left, *buffers):
             n = len(buffers) // 2
             cache = [_StepCache(buffers[i], buffers[n + i], idx, left) for i in range(n)]
-            out = body(tokens, cache)
+            out = forward(x, cache)
             return (out, *[c.keys for c in cache], *[c.values for c in cache])
 
         self._step = mx.compile(step)
         self.steps = 0  # compiled steps run (tests and benchmarks read it)
 
-    def decode(self, tokens: mx.array, cache: list) -> mx.array:
+    def decode(self, x: mx.array, cache: list) -> mx.array:
         idx, left = _position(cache[0])
         for c in cache:
             _reserve(c, idx + 1)
@@ -104,7 +127,7 @@ class CompiledDecode:
         for c in cache:  # only the graph holds the old buffers: updated in place
             c.keys = c.values = None
         self.steps += 1
-        out, *buffers = self._step(tokens, mx.array([idx], mx.int32), left, *keys, *values)
+        out, *buffers = self._step(x, mx.array([idx], mx.int32), left, *keys, *values)
         del keys, values
         n = len(cache)
         for i, c in enumerate(cache):

@@ -276,8 +276,9 @@ def load_shard(
         method=method,
         experts=(share.e0, share.e1) if share is not None else None,
     )
-    # EP reads each MoE layer's routes on the host, which a traced graph cannot.
-    compiled = layout.compile and layout.parallel != "ep"
+    # EP reads each MoE layer's routes on the host, which a traced graph cannot; other
+    # layouts (hybrid) stay eager until a test proves their compiled step equal.
+    compiled = layout.compile and layout.parallel in ("tp", "pp")
     runner = Runner(model, group, stage, compiled)
     runner.every_position = layout.every_position
     return runner, config, stats

@@ -33,9 +33,8 @@ class Runner:
         self.every_rank_projects = stage is None and has_split_head(model)
         # Decode steps replay one compiled graph where that is proven equal (engine/compiled.py).
         self.compiled = None
-        if compile and stage is None and compiled.supports(model):
-            body = lambda tokens, cache: self._finish(self.model.model(tokens, cache=cache))  # noqa: E731
-            self.compiled = compiled.CompiledDecode(model, body)
+        if compile and compiled.supports(model):
+            self.compiled = compiled.build(model, self._finish, stage)
 
     def make_cache(self) -> list:
         return make_prompt_cache(self.model)
@@ -50,6 +49,8 @@ class Runner:
     def decode(self, tokens: mx.array, cache: list) -> mx.array | None:
         """One step of tokens (B, 1): `forward`, compiled where the model and cache allow."""
         if self.compiled is not None and compiled.eligible(cache) and not self.keep_hidden:
+            if self.stage is not None:
+                return self._finish(self.stage.decode(tokens, cache, self.compiled.decode))
             return self.compiled.decode(tokens, cache)
         return self.forward(tokens, cache)
 

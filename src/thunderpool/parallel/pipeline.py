@@ -15,6 +15,8 @@ discarded rather than relied upon.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
@@ -136,7 +138,24 @@ class PipelineStage:
             if self.handoff is not None:
                 self.handoff.hand(None)
         _advance_others(cache, self.local, B, L, self.dtype)
-        kept = 1 if last_only else L
+        return self._pass_on(h, B, 1 if last_only else L)
+
+    def decode(self, tokens: mx.array, cache: list, local: Callable) -> mx.array | None:
+        """`forward` of a one-token step whose own layers (and final norm) run as
+        `local(h, their caches)`, a compiled graph, instead of the model's forward."""
+        B, L = tokens.shape
+        if self.start > 0:
+            h = mx.distributed.recv(
+                (B, L, self.hidden), self.dtype, self.rank - 1, group=self.group
+            )
+        else:
+            h = self.inner.embed_tokens(tokens)
+        h = local(h, cache[self.start : self.end])
+        _advance_others(cache, self.local, B, L, self.dtype)
+        return self._pass_on(h, B, 1)
+
+    def _pass_on(self, h: mx.array, B: int, kept: int) -> mx.array | None:
+        """Sends the stage's output on; rank 0 returns the last stage's last `kept` positions."""
         if self.size == 1:
             return h[:, -kept:, :]
         if self.rank < self.size - 1:

@@ -18,6 +18,7 @@ from typing import Literal
 
 from thunderpool.errors import ThunderpoolError
 from thunderpool.parallel.tensor import split_heads
+from thunderpool.planner import dispatch
 from thunderpool.planner.spec import ModelSpec
 
 LinkKind = Literal["rdma", "thunderbolt", "ethernet", "wifi", "loopback"]
@@ -37,9 +38,6 @@ SCORE_BYTES = 16
 # reach (flops_efficiency). Fitted on mlx-lm's Qwen3-30B-A3B prefill ladder (docs/simulator.md).
 PREFILL_CHUNK = 2048
 EXPERT_ROWS_HALF = 52.0
-# Kernels a compiled decode step dispatches per eager one (engine/compiled.py: 1239 of 1929
-# on the embedded SmolLM2, MLX's CPU backend, measured by counting graph nodes).
-COMPILED_DISPATCH = 1239 / 1929
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +242,8 @@ def predict(
     compiled: bool = False,
 ) -> Prediction:
     """Predict a layout's speed; decode is measured right after a `prompt_tokens` prompt.
-    `compiled`: decode steps replay a compiled graph (fewer kernels: COMPILED_DISPATCH)."""
+    `compiled`: decode steps run the compiled, fused step (its kernels: planner/dispatch.py)
+    where the family has one."""
     batch, hidden = concurrency, spec.hidden
     compute = memory = collective = dispatch = 0.0
     n_coll = 0
@@ -262,13 +261,14 @@ def predict(
                 batch,
                 prompt_tokens,
                 kv_dtype_bytes,
+                compiled,
             )
             for s in ranks
         ]
         mem_s, flop_s, disp_s = max(times, key=lambda t: max(t[:2]) + t[2])
         memory += mem_s if mem_s >= flop_s else 0.0
         compute += flop_s if flop_s > mem_s else 0.0
-        dispatch += disp_s * (COMPILED_DISPATCH if compiled else 1.0)
+        dispatch += disp_s
         # Prefill: one prompt, compute-bound; attention covers half the square on average.
         prefill += max(
             max(
@@ -408,14 +408,19 @@ def _flops(spec: ModelSpec, stage: Stage, share: Share, head: float, kv_len: flo
     return 2 * params + attn * share.q + 2 * spec.vocab * spec.hidden * head
 
 
-def _matmuls(spec: ModelSpec, stage: Stage, head: float) -> float:
+def _matmuls(spec: ModelSpec, stage: Stage, head: float, compiled: bool = False) -> float:
     """A decode step's kernels on a rank of this stage, in llama-matmul units (planner/
-    dispatch.py; +1 for the output head): what op_latency_s is paid per."""
+    dispatch.py; +1 for the output head): what op_latency_s is paid per. `compiled`: those
+    of the compiled step, on the families that have one."""
     per_layer = spec.dispatches_per_layer or spec.matmuls_per_layer
+    if compiled and spec.model_type in dispatch.COMPILED_FAMILIES:
+        routed = spec.expert_bytes_per_layer or (0,) * spec.layers
+        tp = len(stage.nodes) > 1
+        per_layer = [dispatch.compiled_layer_kernels(spec.model_type, r > 0, tp) for r in routed]
     return sum(per_layer[i] for i in range(*stage.layers)) + (head > 0) if per_layer else 0
 
 
-def _rank_time(spec, stage, share, node, head, batch, kv_len, kv_dtype_bytes):
+def _rank_time(spec, stage, share, node, head, batch, kv_len, kv_dtype_bytes, compiled=False):
     """(memory seconds, compute seconds, dispatch seconds) of one decode step on one rank."""
     nbytes = read_bytes(spec, stage, share, head, batch)
     nbytes += kv_read_bytes(spec, stage, share, batch, kv_len, kv_dtype_bytes)
@@ -423,7 +428,7 @@ def _rank_time(spec, stage, share, node, head, batch, kv_len, kv_dtype_bytes):
     return (
         nbytes / node.mem_bw_Bps,
         flops / node.flops,
-        _matmuls(spec, stage, head) * node.op_latency_s,
+        _matmuls(spec, stage, head, compiled) * node.op_latency_s,
     )
 
 

@@ -6,6 +6,9 @@ their own. Counts follow mlx-lm's forwards with MLX's fused kernels (rms_norm, r
 one launch each; elementwise chains mlx-lm compiles, e.g. swiglu: one). The cost model turns
 a count into matmul-equivalents of a plain llama layer (REFERENCE_KERNELS for its 7 matmuls),
 the unit op_latency_us is calibrated and measured in, so every constant keeps its meaning.
+
+A compiled decode step (engine/compiled.py with engine/fused.py) runs fewer kernels on the
+families and layouts it takes (`compiles`); `compiled_layer_kernels` counts them alike.
 """
 
 from __future__ import annotations
@@ -60,3 +63,28 @@ def mlp_kernels(family: str, routed: bool, shared: bool) -> int:
 def matmul_equivalents(kernels: int) -> float:
     """A layer's kernels in units of a plain llama layer's matmuls (op_latency_us's unit)."""
     return kernels * REFERENCE_MATMULS / REFERENCE_KERNELS
+
+
+# The compiled, fused decode step: families (mlx-lm model_type, as engine/compiled.py's
+# COMPILED_FAMILIES) and plan kinds (hybrid and EP ranks decode eagerly).
+COMPILED_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
+COMPILED_KINDS = frozenset({"single", "tp", "pp"})
+# Fused GQA attention: the q|k|v matmul; one rotation pass over q and k; key and value cache
+# writes; scores (mask added in the matmul), softmax, values; the o matmul.
+FUSED_GQA = 1 + 1 + 2 + 3 + 1
+FUSED_QK_NORM = 2 + 1  # qwen3's q and k norms, and rejoining them with v
+FUSED_GLU = 1 + 1 + 1  # the gate|up matmul, swiglu, down
+
+
+def compiles(model_type: str, kind: str) -> bool:
+    """Whether the engine runs a compiled decode step for this family and plan kind."""
+    return model_type in COMPILED_FAMILIES and kind in COMPILED_KINDS
+
+
+def compiled_layer_kernels(model_type: str, routed: bool, tp: bool) -> float:
+    """A compiled layer's kernels in llama-matmul units: each block's norm; its residual add
+    runs inside the output matmul on one rank, apart after TP's all_sum or a whole MoE block."""
+    qk = FUSED_QK_NORM if model_type in ("qwen3", "qwen3_moe") else 0
+    attention = 1 + tp + FUSED_GQA + qk
+    mlp = 1 + 1 + QWEN_ROUTER + EXPERTS if routed else 1 + tp + FUSED_GLU
+    return matmul_equivalents(attention + mlp)

@@ -26,6 +26,7 @@ from thunderpool.planner.cost import (
     shares,
     weight_bytes,
 )
+from thunderpool.planner.dispatch import compiles
 from thunderpool.planner.spec import ModelSpec
 
 GiB = 2**30
@@ -48,6 +49,7 @@ class Plan:
     prediction: Prediction
     reason: str
     unverified: str = ""  # why this layout is not verified for the model's family ("" if it is)
+    compiled: bool = False  # decode runs the compiled step (planner/dispatch.py: compiles)
 
     @property
     def verified(self) -> bool:
@@ -73,6 +75,7 @@ class _Needs:
     kv_dtype_bytes: float
     prompt_tokens: int
     prefix_tokens: int = 0  # the prefix cache's budget, in tokens of KV (all nodes together)
+    compiled: bool = True  # price the compiled decode step where the engine runs one
 
 
 def place(
@@ -84,8 +87,10 @@ def place(
     kv_dtype_bytes: float = 2,
     prompt_tokens: int | None = None,
     prefix_cache_bytes: float = 0,
+    compiled: bool = True,
 ) -> list[Plan]:
     """Every plan that fits, fastest predicted decode first; PlacementError if none does.
+    `compiled=False` prices every decode step eager (as `--no-compile`, or another tool).
 
     Speed is predicted for decode right after a `prompt_tokens` prompt (default: 512 or the
     context, whichever is smaller); memory is reserved for the full context x concurrency,
@@ -108,6 +113,7 @@ def place(
         kv_dtype_bytes,
         prompt_tokens or min(512, context_tokens),
         prefix,
+        compiled,
     )
     by_name = {n.name: n for n in nodes}
     plans = []
@@ -183,6 +189,7 @@ def _plan(spec, kind, stages, by_name, links, needs) -> Plan | None:
         return None
     if not _fits_hosts(used, by_name):
         return None
+    compiled = needs.compiled and compiles(spec.model_type, kind)
     pred = predict(
         spec,
         stages,
@@ -191,9 +198,11 @@ def _plan(spec, kind, stages, by_name, links, needs) -> Plan | None:
         prompt_tokens=needs.prompt_tokens,
         concurrency=needs.concurrency,
         kv_dtype_bytes=needs.kv_dtype_bytes,
+        compiled=compiled,
     )
     free = {n: by_name[n].available_bytes - used[n] for n in used}
-    return Plan(kind, stages, used, free, pred, _reason(kind, stages, pred, links))
+    reason = _reason(kind, stages, pred, links)
+    return Plan(kind, stages, used, free, pred, reason, compiled=compiled)
 
 
 def _fits_hosts(used: dict[str, int], by_name: dict[str, NodeSpec]) -> bool:

@@ -87,8 +87,10 @@ def simulate(
     context: int = 4096,
     concurrency: int = 1,
     prompt_tokens: int | None = None,
+    compiled: bool = True,
 ) -> list[Plan]:
-    """Every plan that fits the described cluster, fastest predicted decode first."""
+    """Every plan that fits the described cluster, fastest predicted decode first; decode
+    steps compiled where our engine compiles them (`compiled=False`: all eager)."""
     nodes, links = cluster.specs()
     return place(
         spec,
@@ -97,6 +99,7 @@ def simulate(
         context_tokens=context,
         concurrency=concurrency,
         prompt_tokens=prompt_tokens,
+        compiled=compiled,
     )
 
 
@@ -126,13 +129,14 @@ class Check:
 
 
 def validate() -> list[Check]:
-    """Predict every published result of presets.toml with the layout it was measured on."""
+    """Predict every published result of presets.toml with the layout it was measured on,
+    decoding eagerly as the tools that published them (mlx-lm, exo) do."""
     rows = []
     for p in presets()["published"]:
         cluster = parse_cluster(p["cluster"])
         spec = load_model(p["model"])
         prompt = p["prompt"]
-        plans = simulate(spec, cluster, context=prompt + 256, prompt_tokens=prompt)
+        plans = simulate(spec, cluster, context=prompt + 256, prompt_tokens=prompt, compiled=False)
         kind = p.get("layout", "single" if len(cluster.nodes) == 1 else "tp")
         same = [x for x in plans if x.kind == kind and len(x.nodes) == len(cluster.nodes)]
         if not same:
@@ -285,7 +289,10 @@ def plan_table(plans: list[Plan], names: dict[str, str] | None = None) -> Table:
         ttft = p.prediction.ttft_s
         table.add_row(
             str(i),
-            p.kind + split + ("" if p.verified else " untested"),
+            p.kind
+            + split
+            + (" compiled" if p.compiled else "")
+            + ("" if p.verified else " untested"),
             " > ".join(", ".join(names.get(n, n) for n in s.nodes) for s in p.stages),
             f"{p.prediction.decode_tps:.1f}",
             f"{p.prediction.prefill_tps:.0f}",
@@ -317,6 +324,7 @@ def plans_json(
                 "reason": p.reason,
                 "verified": p.verified,
                 "unverified": p.unverified or None,
+                "compiled": p.compiled,
             }
             for p in plans
         ],

@@ -1,0 +1,261 @@
+"""A fused one-token forward of a GQA decoder (llama, qwen2, qwen3, qwen3_moe), for the
+compiled decode step (engine/compiled.py).
+
+mlx-lm's forward launches each projection, RoPE, norm and attention as separate ops (on
+MLX's CPU backend RoPE, RMSNorm and sdpa are chains of ops). Here, per layer:
+- q|k|v are one matmul and gate|up another: their weights are concatenated once at load
+  (per rank, after TP sharding), and the mlx-lm modules' weights become views of the fused
+  ones, so prefill and every other path read the same memory, never a second copy;
+- RoPE's angles are computed once per step, not twice per layer; one elementwise pass
+  rotates q and k, leaves v (cos 1, sin 0) and folds in the attention scale;
+- attention is scores (plus the additive mask, in the matmul), softmax, values;
+- the output projections add the residual in their matmul where no all_sum comes between.
+Only the model structure below is taken; anything else (other RoPE kinds, partial rotary,
+sliding windows) keeps mlx-lm's forward (`fusable` is False).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+
+FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
+
+
+@dataclass(frozen=True, slots=True)
+class Projection:
+    """The arrays of one (possibly quantized, possibly fused) projection."""
+
+    weight: mx.array
+    scales: mx.array | None = None
+    biases: mx.array | None = None
+    bias: mx.array | None = None
+    group_size: int = 0
+    bits: int = 0
+    mode: str = "affine"
+
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        """x @ W.T (+ bias) (+ residual); a single addend goes into the matmul (addmm)."""
+        if self.scales is None and (self.bias is None) != (residual is None):
+            return mx.addmm(self.bias if residual is None else residual, x, self.weight.T)
+        if self.scales is not None:
+            y = mx.quantized_matmul(
+                x,
+                self.weight,
+                scales=self.scales,
+                biases=self.biases,
+                transpose=True,
+                group_size=self.group_size,
+                bits=self.bits,
+                mode=self.mode,
+            )
+        else:
+            y = x @ self.weight.T
+        y = y + self.bias if self.bias is not None else y
+        return residual + y if residual is not None else y
+
+
+_ARRAYS = ("weight", "scales", "biases", "bias")
+
+
+def _plain(m: nn.Module) -> bool:
+    """A projection whose forward is exactly x @ W.T (+ bias), quantized or not (mlx's
+    Linear, QuantizedLinear and their TP AllToSharded forms, whose extra op is the identity
+    in a forward)."""
+    names = {"Linear", "QuantizedLinear", "AllToShardedLinear", "QuantizedAllToShardedLinear"}
+    return type(m).__name__ in names and "weight" in m
+
+
+def _names(m: nn.Module) -> tuple[str, ...]:
+    """The arrays a projection holds (mxfp formats have scales but no biases)."""
+    return tuple(n for n in _ARRAYS if isinstance(m.get(n), mx.array))
+
+
+def _quant(m: nn.Module) -> tuple:
+    return (m.group_size, m.bits, getattr(m, "mode", "affine")) if "scales" in m else ()
+
+
+def fuse(modules: list[nn.Module]) -> Projection | None:
+    """One projection for `modules` that read the same input: their arrays concatenated along
+    the output axis; each module then holds views of the fused arrays (no second copy once
+    evaluated). None when they differ in kind (plain/quantized, bits, bias)."""
+    if not all(_plain(m) for m in modules):
+        return None
+    kinds = {(_quant(m), _names(m)) for m in modules}
+    if len(kinds) != 1:
+        return None
+    (quant, names) = kinds.pop()
+    fused = {n: mx.concatenate([m[n] for m in modules], axis=0) for n in names}
+    mx.eval(fused)
+    start = 0
+    for m in modules:
+        rows = m["weight"].shape[0]
+        for n in names:
+            m[n] = fused[n][start : start + rows]
+        start += rows
+    mx.eval([m.parameters() for m in modules])
+    q = dict(zip(("group_size", "bits", "mode"), quant, strict=True)) if quant else {}
+    return Projection(**fused, **q)
+
+
+def _linear(m: nn.Module) -> Projection | None:
+    """A single projection's arrays, where its forward is a plain matmul."""
+    if not _plain(m):
+        return None
+    q = dict(zip(("group_size", "bits", "mode"), _quant(m), strict=True)) if "scales" in m else {}
+    return Projection(**{n: m[n] for n in _names(m)}, **q)
+
+
+@dataclass(frozen=True, slots=True)
+class Layer:
+    """What the fused forward needs of one decoder layer."""
+
+    module: nn.Module
+    qkv: Projection
+    o: Projection | None  # None: call the module (an all_sum follows the matmul)
+    gate_up: Projection | None  # None: call the MLP module (MoE, or unfusable)
+    down: Projection | None
+    n_heads: int
+    n_kv: int
+    inter: int  # the MLP's (local) intermediate width
+
+
+def _rope_inv_freqs(rope: nn.Module, head_dim: int) -> mx.array | None:
+    """RoPE's inverse frequencies as mx.fast.rope's fallback computes them, for the kinds
+    this forward rotates exactly (full, non-traditional): nn.RoPE and mlx-lm's Llama3RoPE."""
+    if getattr(rope, "traditional", True) or getattr(rope, "dims", 0) != head_dim:
+        return None
+    half = head_dim // 2
+    if type(rope).__name__ == "Llama3RoPE":
+        return 1.0 / rope._freqs.astype(mx.float32)
+    if type(rope) is not nn.RoPE or rope.scale != 1.0:
+        return None
+    step = mx.array(math.log(rope.base) / half, mx.float32)
+    return mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * step)
+
+
+class FusedForward:
+    """`forward(tokens (B, 1), caches) -> h (B, 1, D)`: the inner model's one-token forward,
+    for caches that take update_and_fetch and carry idx/left (compiled._StepCache)."""
+
+    def __init__(self, model: nn.Module, layers: list[Layer], inv_freqs: mx.array, dims: int):
+        self.model, self.inner = model, model.model
+        self.layers, self.inv_freqs, self.head_dim = layers, inv_freqs, dims
+
+    def __call__(self, tokens: mx.array, caches: list) -> mx.array:
+        return self.inner.norm(self.layers_forward(self.inner.embed_tokens(tokens), caches))
+
+    def layers_forward(self, h: mx.array, caches: list) -> mx.array:
+        """h (B, 1, D) through the fused layers (a PP stage's own), one cache each."""
+        first = caches[0]
+        tables = {}  # (heads, kv heads) -> rotation tables, shared by layers alike
+        mask = self._mask(first.keys.shape[2], first.idx, first.left, h.dtype)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            key = (layer.n_heads, layer.n_kv)
+            if key not in tables:
+                tables[key] = self._tables(first.offset, *key, h.dtype)
+            h = self._layer(h, layer, cache, mask, *tables[key])
+        return h
+
+    def _mask(self, capacity: int, idx: mx.array, left: mx.array, dtype) -> mx.array:
+        """(B, 1, 1, capacity): 0 on each row's written positions, a large negative elsewhere."""
+        pos = mx.arange(capacity)
+        keep = (pos[None] >= left[:, None]) & (pos[None] <= idx)
+        return mx.where(keep, 0.0, mx.finfo(dtype).min).astype(dtype)[:, None, None, :]
+
+    def _tables(self, offset: mx.array, n_heads: int, n_kv: int, dtype):
+        """cos and sin-with-sign tables (B, heads, 2, half) rotating q (scaled by 1/sqrt(d))
+        and k, identity on v."""
+        theta = offset.astype(mx.float32)[:, None] * self.inv_freqs[None]  # (B, half)
+        cos, sin = mx.cos(theta), mx.sin(theta)
+        B, half = theta.shape
+        c = mx.stack([cos, cos], axis=1)[:, None]  # (B, 1, 2, half)
+        s = mx.stack([-sin, sin], axis=1)[:, None]
+        scale = self.head_dim**-0.5
+        one, zero = mx.ones((B, n_kv, 2, half)), mx.zeros((B, n_kv, 2, half))
+        rep = lambda t, n: mx.broadcast_to(t, (B, n, 2, half))  # noqa: E731
+        cos_t = mx.concatenate([rep(c * scale, n_heads), rep(c, n_kv), one], axis=1)
+        sin_t = mx.concatenate([rep(s * scale, n_heads), rep(s, n_kv), zero], axis=1)
+        return cos_t.astype(dtype), sin_t.astype(dtype)
+
+    def _layer(self, h, layer: Layer, cache, mask, cos_t, sin_t) -> mx.array:
+        m, attn = layer.module, layer.module.self_attn
+        B, H, K, d = h.shape[0], layer.n_heads, layer.n_kv, self.head_dim
+        x = m.input_layernorm(h)
+        qkv = layer.qkv(x).reshape(B, H + 2 * K, d)
+        if hasattr(attn, "q_norm"):  # qwen3: per-head RMS norms of q and k before RoPE
+            q = attn.q_norm(qkv[:, :H])
+            k = attn.k_norm(qkv[:, H : H + K])
+            qkv = mx.concatenate([q, k, qkv[:, H + K :]], axis=1)
+        # RoPE (non-traditional): [x1, x2] -> [x1 c - x2 s, x2 c + x1 s] on the halves.
+        r = qkv.reshape(B, H + 2 * K, 2, d // 2)
+        r = (r * cos_t + r[:, :, ::-1, :] * sin_t).reshape(B, H + 2 * K, 1, d)
+        keys, values = cache.update_and_fetch(r[:, H : H + K], r[:, H + K :])
+        q = r[:, :H].reshape(B, K, H // K, d)  # GQA: each KV head's query heads, one row
+        scores = mx.addmm(mask, q, keys.swapaxes(-1, -2))  # (B, K, H/K, capacity)
+        o = (mx.softmax(scores, axis=-1, precise=True) @ values).reshape(B, 1, H * d)
+        h = layer.o(o, h) if layer.o is not None else h + attn.o_proj(o)
+        x = m.post_attention_layernorm(h)
+        if layer.gate_up is None:
+            return h + m.mlp(x)
+        gu = layer.gate_up(x)
+        y = swiglu(gu[..., : layer.inter], gu[..., layer.inter :])
+        return layer.down(y, h) if layer.down is not None else h + m.mlp.down_proj(y)
+
+
+def build(model: nn.Module, local: range | None = None) -> FusedForward | None:
+    """Fuses the projections of `model` (this rank's shards; of its `local` layers on a PP
+    stage) and returns its fused forward; None, leaving the values as they were, where its
+    structure is not the one above."""
+    inner = getattr(model, "model", None)
+    args = getattr(model, "args", None)
+    if getattr(args, "model_type", None) not in FAMILIES or inner is None:
+        return None
+    if any(getattr(layer, "use_sliding", False) for layer in inner.layers):
+        return None
+    plans = []
+    for i, layer in enumerate(inner.layers):
+        if local is not None and i not in local:
+            continue
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None:
+            return None
+        projs = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+        if not all(p is not None and _plain(p) for p in projs):
+            return None
+        H, K = attn.n_heads, attn.n_kv_heads
+        d = projs[0].weight.shape[0] // H  # output rows, quantized or not
+        if H % K or d * H != projs[0].weight.shape[0]:
+            return None
+        inv = _rope_inv_freqs(attn.rope, d)
+        if inv is None:
+            return None
+        plans.append((layer, attn, mlp, projs, H, K, d, inv))
+    if not plans or len({p[6] for p in plans}) > 1:
+        return None  # the step's RoPE tables take one head width for every layer
+    layers = []
+    for layer, attn, mlp, projs, H, K, _, _ in plans:
+        if (qkv := fuse(projs)) is None:
+            return None  # the layers fused so far stay views: the same values, unused
+        dense = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+        gate_up = fuse([mlp.gate_proj, mlp.up_proj]) if dense else None
+        inter = mlp.gate_proj.weight.shape[0] if gate_up is not None else 0
+        mx.clear_cache()  # hand the unfused arrays' memory back layer by layer
+        layers.append(
+            Layer(
+                module=layer,
+                qkv=qkv,
+                o=_linear(attn.o_proj),
+                gate_up=gate_up,
+                down=_linear(mlp.down_proj) if gate_up is not None else None,
+                n_heads=H,
+                n_kv=K,
+                inter=inter,
+            )
+        )
+    _, _, _, _, _, _, d, inv = plans[0]
+    return FusedForward(model, layers, inv, d)
