@@ -389,12 +389,6 @@ def _main(argv: list[str] | None) -> int:
                 "--expert-split places experts for --parallel ep only; add --parallel ep or "
                 "drop --expert-split"
             )
-        if getattr(args, "parallel", None) == "ep" and getattr(args, "cluster", False):
-            raise ThunderpoolError(
-                "--parallel ep runs on local ranks only for now: the cluster's planner and "
-                "weight fabric do not place whole experts yet; drop --cluster, or use "
-                "--parallel tp with it"
-            )
         match args.command:
             case "generate":
                 from thunderpool.commands import generate

@@ -37,3 +37,36 @@ def test_ep_beside_tp_on_two_m3_ultras():
     # A 512-token prefill touches every expert on both ranks: the same time.
     assert e.ep.prefill_tps == pytest.approx(e.tp.prefill_tps, rel=0.02)
     assert e.ep.collectives_per_token == e.tp.collectives_per_token
+
+
+def test_place_offers_ep_beside_tp_and_the_coordinator_runs_it():
+    from thunderpool.cluster.coordinator import plan_layout
+    from thunderpool.planner.ep import ep_costs
+    from thunderpool.planner.placement import _Needs, memory_use, place
+
+    spec = load_model("deepseek-v3:q4")
+    cluster = parse_cluster("2x m3-ultra-512@tb5-rdma")
+    nodes, links = cluster.specs()
+    plans = place(spec, nodes, links)
+    ep = next(p for p in plans if p.kind == "ep" and len(p.nodes) == 2)
+    tp = next(p for p in plans if p.kind == "tp" and p.nodes == ep.nodes)
+    assert ep.experts == (128, 128) and "experts 128+128" in ep.reason
+    e = predict_ep(spec, ep.stages[0], nodes, links, 512, 1)
+    assert ep.prediction == e.ep
+    # Memory: TP's, with each rank's channel slices of the experts swapped for whole ones.
+    by_name = {n.name: n for n in nodes}
+    used = memory_use(spec, ep.stages, by_name, _Needs(4096, 1, 2, 512))
+    for n, tp_b, ep_b in zip(ep.nodes, e.tp_weight_bytes, e.ep_weight_bytes, strict=True):
+        assert ep.memory_used[n] == int(used[n] - tp_b + ep_b)
+        assert tp.memory_used[n] == used[n]
+    assert ep_costs(spec, ep.stages[0], by_name, links, _Needs(4096, 1, 2, 512), used)[2] == (
+        128,
+        128,
+    )
+    assert plan_layout(ep) == {
+        "parallel": "ep",
+        "tp_weights": ep.stages[0].tp_weights,
+        "expert_split": (128, 128),
+    }
+    # A dense model gets no EP plans.
+    assert not any(p.kind == "ep" for p in place(load_model("qwen3-4b"), nodes, links))

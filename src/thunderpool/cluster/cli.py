@@ -213,7 +213,10 @@ class ClusterPlanner:
             from thunderpool.models.families import warn_untested
 
             warn_untested(plan.unverified, self.console)
-        job = self.make_job(len(plan.nodes), plan_layout(plan))
+        layout = plan_layout(plan)
+        if layout["parallel"] == "ep" and getattr(self.args, "expert_split", None):
+            layout["expert_split"] = _expert_split(self.args.expert_split, plan)
+        job = self.make_job(len(plan.nodes), layout)
         names = [state.nodes[n].name for n in plan.nodes]
         reason = _named(plan.reason, state)
         self.console.print(f"[dim]plan: {plan.kind} over {' > '.join(names)}: {reason}[/]")
@@ -243,6 +246,17 @@ class ClusterPlanner:
             {"id": k, "name": n.name, "contact": known.contacts.get(k, ""), "alive": k not in dead}
             for k, n in sorted(known.nodes.items(), key=lambda kv: kv[1].name)
         ]
+
+
+def _expert_split(counts, plan) -> tuple[int, ...]:
+    """--expert-split for the planned EP ranks: one count per rank, as many experts in all."""
+    if len(counts) != len(plan.nodes) or sum(counts) != sum(plan.experts):
+        raise ThunderpoolError(
+            f"--expert-split {','.join(map(str, counts))} does not fit the plan's "
+            f"{len(plan.nodes)} ranks and {sum(plan.experts)} experts; drop it, or add "
+            f"--nodes {len(counts)}"
+        )
+    return tuple(counts)
 
 
 def _refusal(plan, runnable) -> ThunderpoolError:

@@ -24,6 +24,13 @@ from thunderpool.parallel.vocab import RowReader
 # Where MoE blocks keep their stacked experts: qwen/deepseek/glm/mixtral, gpt-oss.
 EXPERT_NAMES = ("switch_mlp", "experts")
 _TENSORS = ("weight", "scales", "biases", "bias")
+# config.json's routed-expert count, by family (deepseek/glm, qwen, mixtral/gpt-oss).
+_EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+
+
+def routed_experts(config: dict) -> int:
+    """Routed experts per MoE layer as config.json states them; 0 for a dense model."""
+    return next((int(config[k]) for k in _EXPERT_KEYS if config.get(k)), 0)
 
 
 @dataclass(frozen=True, slots=True)

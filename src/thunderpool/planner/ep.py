@@ -12,6 +12,7 @@ imbalance is a floor. An EP rank also reads the route mask on the host once per 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -41,22 +42,87 @@ def expert_load(
     rates: list[float],
     samples: int = 0,
     seed: int = 0,
+    popularity: tuple[float, ...] | None = None,
+    replicas: tuple[tuple[int, int], ...] = (),
 ) -> tuple[float, float]:
     """(expected max over ranks, mean over ranks) of experts touched / rate, for `batch` tokens
-    each routed to k distinct experts drawn uniformly; rank r holds counts[r] experts."""
-    samples = samples or max(64, min(2000, 400_000 // max(1, batch * n_experts)))
+    each routed to k distinct experts; rank r holds counts[r] experts. Routes are drawn in
+    proportion to `popularity` (measured routing counts; default uniform); `replicas` are extra
+    (expert, rank) holders, which split the expert's tokens by position as LocalExperts does."""
+    pop = tuple(float(x) for x in popularity) if popularity is not None else None
+    return _expert_load(
+        n_experts, k, tuple(counts), batch, tuple(rates), samples, seed, pop, tuple(replicas)
+    )
+
+
+@lru_cache(maxsize=4096)  # the planner prices many node groups of the same shape
+def _expert_load(
+    n_experts, k, counts, batch, rates, samples, seed, popularity, replicas
+) -> tuple[float, float]:
     rng = np.random.default_rng(seed)
-    owner = np.repeat(np.arange(len(counts)), counts)  # expert -> rank
-    worst = mean = 0.0
+    n_ranks = len(counts)
+    table, h = _holders(counts, replicas)  # (E, H) ranks holding each expert, and how many
+    w = np.ones(n_experts) if popularity is None else np.asarray(popularity, dtype=np.float64)
+    w = w / w.sum()
     rate = np.asarray(rates, dtype=np.float64)
-    for _ in range(samples):
-        routes = np.argpartition(rng.random((batch, n_experts)), k - 1, axis=1)[:, :k]
-        touched = np.zeros(n_experts, dtype=bool)
-        touched[routes.ravel()] = True
-        per_rank = np.bincount(owner[touched], minlength=len(counts)) / rate
-        worst += per_rank.max()
-        mean += per_rank.mean()
-    return worst / samples, mean / samples
+    if batch * n_experts > 1 << 15:
+        # Large batches: each holder of e is touched when any of its ~batch/h tokens routes to
+        # e; per-token inclusion k*w (capped), independently per expert (a tiny error here).
+        pi = np.minimum(1.0, k * w)
+        q = 1.0 - (1.0 - pi[:, None]) ** (batch / h[:, None])  # (E, 1)
+        valid = np.arange(table.shape[1])[None, :] < h[:, None]  # (E, H)
+        samples = samples or 256
+        hit = (rng.random((samples, *table.shape)) < q) & valid  # (S, E, H)
+        onehot = np.eye(n_ranks)[table]  # (E, H, R)
+        per_rank = np.einsum("seh,ehr->sr", hit.astype(np.float64), onehot) / rate
+        return float(per_rank.max(1).mean()), float(per_rank.mean())
+    samples = samples or max(64, min(2000, 400_000 // max(1, batch * n_experts)))
+    worst = mean = 0.0
+    logw = np.log(np.where(w > 0, w, 1.0))
+    step = max(1, (1 << 22) // (batch * n_experts))  # samples drawn at once
+    tok = np.arange(batch)[None, :, None]
+    for first in range(0, samples, step):
+        m = min(step, samples - first)
+        # k distinct experts per token, weighted (Efraimidis-Spirakis: the k largest keys).
+        keys = np.log(rng.random((m, batch, n_experts))) / np.exp(logw)
+        keys[..., w <= 0] = -np.inf
+        routes = np.argpartition(-keys, k - 1, axis=2)[..., :k]  # (m, batch, k)
+        ranks = table[routes, tok % h[routes]]
+        touched = np.zeros((m, n_experts * n_ranks), dtype=bool)
+        np.put_along_axis(touched, (routes * n_ranks + ranks).reshape(m, -1), True, axis=1)
+        per_rank = touched.reshape(m, n_experts, n_ranks).sum(1) / rate
+        worst += per_rank.max(1).sum()
+        mean += per_rank.mean(1).sum()
+    return float(worst / samples), float(mean / samples)
+
+
+def _holders(counts, replicas) -> tuple[np.ndarray, np.ndarray]:
+    """(E, H) table of the ranks holding each expert (its owner first; short rows padded with
+    the owner) and each expert's number of holders."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    rows = [[int(o)] for o in owner]
+    for e, r in replicas:
+        if r not in rows[e]:
+            rows[e].append(int(r))
+    width = max(len(r) for r in rows)
+    table = np.array([r + [r[0]] * (width - len(r)) for r in rows])
+    return table, np.array([len(r) for r in rows])
+
+
+def route_shares(
+    counts: list[int],
+    popularity: tuple[float, ...] | None = None,
+    replicas: tuple[tuple[int, int], ...] = (),
+) -> np.ndarray:
+    """Each rank's expected share of all routes (its compute share under EP)."""
+    table, h = _holders(counts, replicas)
+    w = np.ones(len(table)) if popularity is None else np.asarray(popularity, dtype=np.float64)
+    w = w / w.sum()
+    out = np.zeros(len(counts))
+    for e in range(len(table)):
+        for j in range(h[e]):
+            out[table[e, j]] += w[e] / h[e]
+    return out
 
 
 def predict_ep(
@@ -133,6 +199,20 @@ def predict_ep(
         tp_weight_bytes=tuple(tp_bytes),
         ep_weight_bytes=tuple(ep_bytes),
     )
+
+
+def ep_costs(spec: ModelSpec, stage: Stage, by_name: dict, links: list, needs, tp_used: dict):
+    """(bytes per node, prediction, experts per rank) of EP over a TP stage's nodes, from the
+    TP plan's memory use (`needs`: placement's _Needs)."""
+    e = predict_ep(
+        spec, stage, by_name, links, needs.prompt_tokens, needs.concurrency, needs.kv_dtype_bytes
+    )
+    used = dict(tp_used)
+    for s, tp_b, ep_b in zip(
+        cost.shares(spec, stage), e.tp_weight_bytes, e.ep_weight_bytes, strict=True
+    ):
+        used[s.node] = int(used[s.node] - tp_b + ep_b)
+    return used, e.ep, e.experts
 
 
 def _moved(b: cost.Breakdown, extra_s: float, sync_s: float) -> cost.Breakdown:

@@ -1,7 +1,8 @@
 """Placement: (ModelSpec, nodes, links, needs) -> Plans ranked by predicted decode speed.
 
-Pure functions. Candidates are every single node, TP over every fully linked subset, PP over
-node orderings, and hybrids (TP inside RDMA-joined groups, PP between them). A plan is kept
+Pure functions. Candidates are every single node, TP over every fully linked subset (and, for
+a MoE model, EP over it: planner/ep.py), PP over node orderings, and hybrids (TP inside
+RDMA-joined groups, PP between them). A plan is kept
 only if every node's weights + KV cache + activations + OS reserve fit its available memory.
 A plan whose layout is not verified for the model's family carries the reason (`unverified`).
 """
@@ -41,13 +42,14 @@ class PlacementError(ThunderpoolError):
 class Plan:
     """A ranked candidate: stages run in order; each stage is TP over its nodes."""
 
-    kind: str  # "single" | "tp" | "pp" | "hybrid"
+    kind: str  # "single" | "tp" | "ep" | "pp" | "hybrid"
     stages: tuple[Stage, ...]
     memory_used: dict[str, int]  # bytes per node, OS reserve included
     memory_free: dict[str, int]  # available_bytes - memory_used, never negative
     prediction: Prediction
     reason: str
     unverified: str = ""  # why this layout is not verified for the model's family ("" if it is)
+    experts: tuple[int, ...] | None = None  # EP: routed experts per rank
 
     @property
     def verified(self) -> bool:
@@ -59,7 +61,7 @@ class Plan:
 
     @property
     def tp_weights(self) -> tuple[float, ...] | None:
-        return self.stages[0].tp_weights if self.kind == "tp" else None
+        return self.stages[0].tp_weights if self.kind in ("tp", "ep") else None
 
     @property
     def layer_split(self) -> tuple[int, ...] | None:
@@ -179,21 +181,30 @@ def _plan(spec, kind, stages, by_name, links, needs) -> Plan | None:
         used = memory_use(spec, stages, by_name, needs)
     except ShardingError:
         return None  # heads cannot be split over these weights
+    experts = None
+    if kind == "ep":  # whole experts instead of channel slices: other bytes, other speed
+        from thunderpool.planner.ep import ep_costs
+
+        used, pred, experts = ep_costs(spec, stages[0], by_name, links, needs, used)
     if any(used[n] > by_name[n].available_bytes for n in used):
         return None
     if not _fits_hosts(used, by_name):
         return None
-    pred = predict(
-        spec,
-        stages,
-        by_name,
-        links,
-        prompt_tokens=needs.prompt_tokens,
-        concurrency=needs.concurrency,
-        kv_dtype_bytes=needs.kv_dtype_bytes,
-    )
+    if kind != "ep":
+        pred = predict(
+            spec,
+            stages,
+            by_name,
+            links,
+            prompt_tokens=needs.prompt_tokens,
+            concurrency=needs.concurrency,
+            kv_dtype_bytes=needs.kv_dtype_bytes,
+        )
     free = {n: by_name[n].available_bytes - used[n] for n in used}
-    return Plan(kind, stages, used, free, pred, _reason(kind, stages, pred, links))
+    reason = _reason(kind, stages, pred, links)
+    if experts:
+        reason = f"{reason[:-1]}; experts {'+'.join(map(str, experts))})"
+    return Plan(kind, stages, used, free, pred, reason, experts=experts)
 
 
 def _fits_hosts(used: dict[str, int], by_name: dict[str, NodeSpec]) -> bool:
@@ -226,6 +237,8 @@ def _candidates(spec, nodes, links, needs):
             if _linked(links, group):
                 weights = tuple(by_name[n].mem_bw_Bps for n in group)
                 yield "tp", (Stage(group, full, weights),)
+                if spec.experts and size <= spec.experts:
+                    yield "ep", (Stage(group, full, weights),)
     roomy = sorted(names, key=lambda n: -by_name[n].available_bytes)
     for order in _orderings(roomy, spec.layers):
         if all(
