@@ -46,7 +46,14 @@ def run(job: RankJob) -> None:
     if group.size() != job.world_size:
         raise ThunderpoolError(f"MLX formed a group of {group.size()}, expected {job.world_size}")
     emit("runtime", **runtime(job))
-    layout = Layout(job.parallel, job.tp_weights, job.layer_split, job.expert_split, job.compile)
+    layout = Layout(
+        job.parallel,
+        job.tp_weights,
+        job.layer_split,
+        job.expert_split,
+        job.compile,
+        job.expert_replicas,
+    )
     progress = load_progress(group.rank())
     match job.task:
         case ServeTask() as task:

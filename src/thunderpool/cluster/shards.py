@@ -194,6 +194,7 @@ class RankLayout(BaseModel):
     tp_weights: tuple[float, ...] | None = None
     layer_split: tuple[int, ...] | None = None
     expert_split: tuple[int, ...] | None = None  # EP: routed experts per rank
+    expert_replicas: tuple[tuple[int, int, int], ...] | None = None  # EP: (layer, expert, rank)
 
 
 def rank_pieces(index: ModelIndex, layout: RankLayout) -> list[Piece]:
@@ -207,7 +208,11 @@ def rank_pieces(index: ModelIndex, layout: RankLayout) -> list[Piece]:
         return files + [Piece(name=n) for n in names if _in_stage(n, index.config, layout)]
     if layout.parallel == "ep":
         share = expert_share(index.config, layout)
-        return files + [_ep_piece(n, index, layout, share) for n in names]
+        extra: dict[int, set[int]] = {}  # layer -> replicated experts this rank also holds
+        for layer, e, r in layout.expert_replicas or ():
+            if r == layout.rank:
+                extra.setdefault(layer, set()).add(e)
+        return files + [_ep_piece(n, index, layout, share, extra) for n in names]
     return files + [_tp_piece(n, index, layout) for n in names]
 
 
@@ -228,19 +233,24 @@ def expert_share(config: dict, layout: RankLayout) -> ExpertShare:
 _EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.(?:switch_mlp|experts)\.(?:(?P<e>\d+)\.)?")
 
 
-def _ep_piece(name: str, index: ModelIndex, layout: RankLayout, share: ExpertShare) -> Piece:
+def _ep_piece(
+    name: str, index: ModelIndex, layout: RankLayout, share: ExpertShare, extra: dict
+) -> Piece:
     """The rows of stacked experts this rank holds, its own per-expert tensors whole and the
-    others' as empty slices; everything else as TP slices it."""
+    others' as empty slices; everything else as TP slices it. A layer with replicated experts
+    on this rank gets the one row range that covers them too (a piece is one range)."""
     config, t = index.config, index.tensors[name]
     m = _LAYER.search(name)
     e = _EXPERT.match(name[m.end() :]) if m else None
     if e is None or ("quantization_config" in config and "quantization" not in config):
         return _tp_piece(name, index, layout)
+    copies = extra.get(int(m.group(1)), set())
     if e["e"] is not None:
-        mine = share.e0 <= int(e["e"]) < share.e1
+        mine = share.e0 <= int(e["e"]) < share.e1 or int(e["e"]) in copies
         return Piece(name=name) if mine or not t.shape else Piece(name=name, axis=0, a=0, b=0)
     if t.shape and t.shape[0] == routed_experts(config):
-        return Piece(name=name, axis=0, a=share.e0, b=share.e1)
+        a, b = min([share.e0, *copies]), max([share.e1, *(c + 1 for c in copies)])
+        return Piece(name=name, axis=0, a=a, b=b)
     return Piece(name=name)
 
 
