@@ -70,3 +70,79 @@ def test_place_offers_ep_beside_tp_and_the_coordinator_runs_it():
     }
     # A dense model gets no EP plans.
     assert not any(p.kind == "ep" for p in place(load_model("qwen3-4b"), nodes, links))
+
+
+def test_measured_routing_prices_the_imbalance_and_replicas_relieve_it():
+    """Qwen3-30B-A3B on 2 M3 Ultras: measured counts where experts 0-15 (all on rank 0) take
+    60% of every MoE layer's routes make EP's slowest rank slower than uniform routing does;
+    copying them onto rank 1 (plan_replicas) brings the imbalance back down, costs 16
+    experts' bytes per layer on rank 1, and place() prices what predict_ep does."""
+    from thunderpool.planner.ep import plan_replicas
+    from thunderpool.planner.placement import place
+
+    spec = load_model("qwen3-30b-a3b")
+    cluster = parse_cluster("2x m3-ultra-512@tb5-rdma")
+    nodes, links = cluster.specs()
+    plan = next(p for p in simulate(spec, cluster) if p.kind == "tp" and len(p.nodes) == 2)
+    stage = plan.stages[0]
+    moe = [i for i, b in enumerate(spec.expert_bytes_per_layer) if b]
+    rest = 0.4 / (spec.experts - 16)
+    hot = {i: (*[0.6 / 16] * 16, *[rest] * (spec.experts - 16)) for i in moe}
+    uniform = predict_ep(spec, stage, nodes, links, 512, 4)
+    measured = predict_ep(spec, stage, nodes, links, 512, 4, routing=hot)
+    assert measured.imbalance > uniform.imbalance + 0.1
+    assert measured.ep.decode_tps < uniform.ep.decode_tps
+    replicas = plan_replicas(hot, list(measured.experts), 16)
+    assert replicas == tuple((i, e, 1) for i in moe for e in range(16))
+    relieved = predict_ep(spec, stage, nodes, links, 512, 4, routing=hot, replicas=replicas)
+    assert relieved.imbalance < measured.imbalance
+    per_expert = sum(spec.expert_bytes_per_layer) / spec.experts
+    assert relieved.ep_weight_bytes[1] - measured.ep_weight_bytes[1] == pytest.approx(
+        16 * per_expert
+    )
+    assert relieved.ep_weight_bytes[0] == measured.ep_weight_bytes[0]
+    ep = next(
+        p
+        for p in place(spec, nodes, links, concurrency=4, routing=hot)
+        if p.kind == "ep" and p.nodes == plan.nodes
+    )
+    assert ep.prediction.decode_tps == pytest.approx(measured.ep.decode_tps)
+
+
+def test_route_counts_are_measured_at_the_experts(tmp_path):
+    """parallel/routing.py counts k routes per token in every MoE layer of a tiny qwen3_moe,
+    the same routes the router gives, and leaves the model as it was."""
+    import sys
+    from pathlib import Path
+
+    import mlx.core as mx
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from conftest import make_tiny
+
+    from thunderpool.engine.loader import build_lazy
+    from thunderpool.parallel.routing import RoutingCounts, calibration_prompts, measure
+
+    model_dir = make_tiny("qwen3_moe", tmp_path / "moe")
+    model, config = build_lazy(model_dir)
+    prompts = calibration_prompts(model_dir)[:3]
+    before = model(mx.array([prompts[0]]))
+    got = measure(model, config, prompts)
+    n = sum(map(len, prompts))
+    assert got.tokens == n and sorted(got.layers) == [0, 1, 2, 3] and got.top_k == 2
+    assert all(sum(c) == 2 * n for c in got.layers.values())
+    # The same counts from the router directly (layer 0's gate, top-2 of its logits).
+    layer = model.layers[0]
+    want = np.zeros(4, dtype=int)
+    for ids in prompts:
+        h = model.model.embed_tokens(mx.array([ids]))
+        h = h + layer.self_attn(layer.input_layernorm(h), mask="causal")
+        gates = layer.mlp.gate(layer.post_attention_layernorm(h))
+        top = mx.argpartition(-gates, kth=1, axis=-1)[..., :2]
+        want += np.bincount(np.array(top).reshape(-1), minlength=4)
+    assert tuple(want) == got.layers[0]
+    assert mx.array_equal(model(mx.array([prompts[0]])), before).item()
+    path = tmp_path / "r.json"
+    path.write_text(got.model_dump_json())
+    assert RoutingCounts.read(path) == got

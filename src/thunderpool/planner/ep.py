@@ -16,7 +16,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from thunderpool.parallel.experts import split_experts
+from thunderpool.parallel.experts import route_holders, split_experts
 from thunderpool.planner import cost
 from thunderpool.planner.cost import LinkSpec, NodeSpec, Prediction, Stage
 from thunderpool.planner.spec import ModelSpec
@@ -80,14 +80,17 @@ def _expert_load(
     worst = mean = 0.0
     logw = np.log(np.where(w > 0, w, 1.0))
     step = max(1, (1 << 22) // (batch * n_experts))  # samples drawn at once
-    tok = np.arange(batch)[None, :, None]
     for first in range(0, samples, step):
         m = min(step, samples - first)
         # k distinct experts per token, weighted (Efraimidis-Spirakis: the k largest keys).
         keys = np.log(rng.random((m, batch, n_experts))) / np.exp(logw)
         keys[..., w <= 0] = -np.inf
         routes = np.argpartition(-keys, k - 1, axis=2)[..., :k]  # (m, batch, k)
-        ranks = table[routes, tok % h[routes]]
+        if replicas:  # the holder LocalExperts picks, from the routes alone
+            flat = routes.reshape(-1, k)
+            ranks = route_holders(flat, table, h).reshape(routes.shape)
+        else:
+            ranks = table[routes, 0]
         touched = np.zeros((m, n_experts * n_ranks), dtype=bool)
         np.put_along_axis(touched, (routes * n_ranks + ranks).reshape(m, -1), True, axis=1)
         per_rank = touched.reshape(m, n_experts, n_ranks).sum(1) / rate
@@ -135,9 +138,13 @@ def predict_ep(
     kv_dtype_bytes: float = 2.0,
     act_bytes: float = 2.0,
     counts: list[int] | None = None,
+    routing: dict[int, tuple[float, ...]] | None = None,
+    replicas: tuple[tuple[int, int, int], ...] = (),
 ) -> EPPrediction:
     """TP and EP over one stage's nodes: attention, dense MLPs and shared experts split as TP
-    in both; EP holds whole routed experts (`counts` per rank, default by the TP weights)."""
+    in both; EP holds whole routed experts (`counts` per rank, default by the TP weights).
+    `routing`: each MoE layer's measured share of routes per expert (parallel/routing.py;
+    default uniform); `replicas`: (layer, expert, rank) copies of hot experts."""
     if not isinstance(nodes, dict):
         nodes = {n.name: n for n in nodes}
     tp = cost.predict(
@@ -150,9 +157,13 @@ def predict_ep(
     moe = [i for i in range(*stage.layers) if spec.expert_bytes_per_layer[i]]
     per_expert = sum(spec.expert_bytes_per_layer[i] for i in moe) / spec.experts  # all layers
     per_param = spec.total_bytes / spec.params if spec.params else 1.0
+    pops = {i: (routing or {}).get(i) for i in moe}
+    reps = {i: tuple((e, r) for layer, e, r in replicas if layer == i) for i in moe}
 
     def expert_s(batch: int) -> tuple[float, float, float]:
         """(TP's, EP's expected, EP's mean-rank) seconds of routed experts in one forward."""
+        if any(pops.values()) or any(reps.values()):
+            return measured_s(batch)
         touched = spec.experts * (1 - (1 - spec.experts_per_tok / spec.experts) ** batch)
         flops = 2 * batch * spec.experts_per_tok * per_expert / per_param  # all ranks together
         tp_s = max(
@@ -168,6 +179,28 @@ def predict_ep(
             [r.mem_bw_Bps / per_expert for r in runs],
         )
         flop_s = max(n / spec.experts * flops / r.flops for n, r in zip(experts, runs, strict=True))
+        return tp_s, max(worst, flop_s), max(mean, flop_s)
+
+    def measured_s(batch: int) -> tuple[float, float, float]:
+        """expert_s, layer by layer: each waits for its own slowest rank."""
+        k, n_moe = spec.experts_per_tok, max(1, len(moe))
+        flops = 2 * batch * k * per_expert / per_param
+        tp_bytes = worst = mean = 0.0
+        routes = np.zeros(len(runs))
+        for i in moe:
+            size = spec.expert_bytes_per_layer[i] / spec.experts
+            w = np.asarray(pops[i] or [1.0] * spec.experts, dtype=np.float64)
+            w = w / w.sum()
+            tp_bytes += size * float(np.sum(1 - (1 - np.minimum(1.0, k * w)) ** batch))
+            rates = [r.mem_bw_Bps / size for r in runs]
+            load = expert_load(spec.experts, k, experts, batch, rates, 256, 0, pops[i], reps[i])
+            worst, mean = worst + load[0], mean + load[1]
+            routes += route_shares(experts, pops[i], reps[i]) / n_moe
+        tp_s = max(
+            max(s.mlp * tp_bytes / r.mem_bw_Bps, s.mlp * flops / r.flops)
+            for s, r in zip(shares, runs, strict=True)
+        )
+        flop_s = max(x * flops / r.flops for x, r in zip(routes, runs, strict=True))
         return tp_s, max(worst, flop_s), max(mean, flop_s)
 
     tp_dec, ep_dec, ep_mean = expert_s(concurrency)
@@ -191,6 +224,9 @@ def predict_ep(
         b - s.mlp * routed + n / spec.experts * routed
         for b, s, n in zip(tp_bytes, shares, experts, strict=True)
     ]
+    for layer, _, r in replicas:  # each copy is one more expert of that layer on rank r
+        if layer in pops:
+            ep_bytes[r] += spec.expert_bytes_per_layer[layer] / spec.experts
     return EPPrediction(
         tp=tp,
         ep=ep,
@@ -201,11 +237,39 @@ def predict_ep(
     )
 
 
+def plan_replicas(
+    routing: dict[int, tuple[float, ...]], counts: list[int], copies: int
+) -> tuple[tuple[int, int, int], ...]:
+    """(layer, expert, rank): each MoE layer's `copies` hottest experts (measured `routing`
+    shares) get one more holder each, the rank with the smallest expected share of that
+    layer's routes so far."""
+    out = []
+    for layer, pop in sorted(routing.items()):
+        mine: list[tuple[int, int]] = []
+        for e in np.argsort(-np.asarray(pop), kind="stable")[:copies]:
+            table, h = _holders(counts, tuple(mine))
+            held = set(table[e, : h[e]].tolist())
+            load = route_shares(counts, pop, tuple(mine))
+            free = [r for r in range(len(counts)) if r not in held]
+            if free:
+                mine.append((int(e), min(free, key=lambda r: (load[r], r))))
+        out += [(layer, e, r) for e, r in mine]
+    return tuple(out)
+
+
 def ep_costs(spec: ModelSpec, stage: Stage, by_name: dict, links: list, needs, tp_used: dict):
     """(bytes per node, prediction, experts per rank) of EP over a TP stage's nodes, from the
-    TP plan's memory use (`needs`: placement's _Needs)."""
+    TP plan's memory use (`needs`: placement's _Needs, with any measured `routing`)."""
+    routing = getattr(needs, "routing", None)
     e = predict_ep(
-        spec, stage, by_name, links, needs.prompt_tokens, needs.concurrency, needs.kv_dtype_bytes
+        spec,
+        stage,
+        by_name,
+        links,
+        needs.prompt_tokens,
+        needs.concurrency,
+        needs.kv_dtype_bytes,
+        routing=routing,
     )
     used = dict(tp_used)
     for s, tp_b, ep_b in zip(

@@ -75,6 +75,7 @@ class _Needs:
     kv_dtype_bytes: float
     prompt_tokens: int
     prefix_tokens: int = 0  # the prefix cache's budget, in tokens of KV (all nodes together)
+    routing: dict | None = None  # EP: measured share of routes per expert, by MoE layer
 
 
 def place(
@@ -86,12 +87,14 @@ def place(
     kv_dtype_bytes: float = 2,
     prompt_tokens: int | None = None,
     prefix_cache_bytes: float = 0,
+    routing: dict[int, tuple[float, ...]] | None = None,
 ) -> list[Plan]:
     """Every plan that fits, fastest predicted decode first; PlacementError if none does.
 
     Speed is predicted for decode right after a `prompt_tokens` prompt (default: 512 or the
     context, whichever is smaller); memory is reserved for the full context x concurrency,
     plus the prefix cache's `prefix_cache_bytes` of KV, spread over the nodes as the KV is.
+    EP plans price `routing` (parallel/routing.py's measured counts) where given, else uniform.
     """
     if not nodes:
         raise PlacementError("no nodes to place the model on; start `thunderpool node` on one")
@@ -110,6 +113,7 @@ def place(
         kv_dtype_bytes,
         prompt_tokens or min(512, context_tokens),
         prefix,
+        routing,
     )
     by_name = {n.name: n for n in nodes}
     plans = []
