@@ -146,3 +146,29 @@ def test_route_counts_are_measured_at_the_experts(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(got.model_dump_json())
     assert RoutingCounts.read(path) == got
+
+
+def test_replicate_experts_reads_the_counts_next_to_the_model(tmp_path, capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from conftest import make_tiny
+
+    from thunderpool.cli import main
+    from thunderpool.errors import ModelError
+    from thunderpool.parallel.routing import ROUTING_FILE, RoutingCounts, expert_replicas
+    from thunderpool.planner.ep import plan_replicas
+
+    model_dir = make_tiny("qwen3_moe", tmp_path / "moe")
+    with pytest.raises(ModelError, match="thunderpool route-counts --model"):
+        expert_replicas(model_dir, 2, 1)
+    counts = RoutingCounts(
+        model_type="qwen3_moe", experts=4, top_k=2, tokens=10, layers={1: (1, 2, 9, 8)}
+    )
+    (model_dir / ROUTING_FILE).write_text(counts.model_dump_json())
+    # Expert 2 is the hottest of layer 1; it lives on rank 1, so its copy goes to rank 0.
+    assert expert_replicas(model_dir, 2, 1) == ((1, 2, 0),)
+    assert plan_replicas({1: counts.popularity(1)}, [2, 2], 1) == ((1, 2, 0),)
+    assert main(["generate", "--replicate-experts", "1", "--prompt", "x"]) == 2
+    assert "--replicate-experts copies experts for --parallel ep" in capsys.readouterr().err
