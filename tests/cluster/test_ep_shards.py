@@ -20,6 +20,8 @@ from thunderpool.parallel import experts, vocab
 
 _PER_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 SPLIT = (1, 3)  # uneven: rank 0 holds expert 0, rank 1 experts 1-3
+# Copies: expert 2 of layer 1 and expert 3 of layer 0 also on rank 0, expert 0 of layer 1 on 1.
+REPLICAS = ((1, 2, 0), (0, 3, 0), (1, 0, 1))
 
 
 def _stacked(path, quantized: bool):
@@ -44,55 +46,66 @@ def moe(request, tmp_path):
     return _stacked(tmp_path / "moe", request.param.endswith("q4"))
 
 
-def _rank_model(path, r: int):
+def _rank_model(path, r: int, replicas):
     from mlx_lm.utils import load_model
 
     model, _ = load_model(path, lazy=True)
-    experts.shard(model, FakeGroup(2, r), counts=list(SPLIT))
+    experts.shard(model, FakeGroup(2, r), counts=list(SPLIT), replicas=replicas)
     vocab.split_vocab(model, FakeGroup(2, r), None)
     return model
 
 
-def test_ep_pieces_are_exactly_what_each_rank_keeps(moe):
+@pytest.mark.parametrize("replicas", [None, REPLICAS], ids=["", "replicas"])
+def test_ep_pieces_are_exactly_what_each_rank_keeps(moe, replicas):
     stored = {k: np.array(v) for k, v in mx.load(str(moe / "model.safetensors")).items()}
     index = index_model(moe)
     for r, (e0, e1) in enumerate([(0, 1), (1, 4)]):
-        layout = RankLayout(rank=r, world=2, parallel="ep", expert_split=SPLIT)
+        layout = RankLayout(
+            rank=r, world=2, parallel="ep", expert_split=SPLIT, expert_replicas=replicas
+        )
         pieces = [p for p in rank_pieces(index, layout) if not p.is_file]
-        kept = _kept(_rank_model(moe, r))
+        kept = _kept(_rank_model(moe, r, replicas))
         checked = set()
         for p in pieces:
             want = stored[p.name]
             want = want if p.axis is None else np.take(want, range(p.a, p.b), axis=p.axis)
             assert geometry(p, index).shape == want.shape
+            layer = int(m[1]) if (m := re.search(r"layers\.(\d+)\.", p.name)) else -1
+            extra = sorted(e for i, e, x in replicas or () if i == layer and x == r)
+            held = [*range(e0, e1), *(e for e in extra if not e0 <= e < e1)]  # its rows, in order
             if m := _PER_EXPERT.search(p.name):  # one expert's own tensor, stacked on load
                 e = int(m[1])
                 stacked = p.name.replace(m[0], ".switch_mlp.")
-                if e0 <= e < e1:
-                    np.testing.assert_array_equal(kept[stacked][e - e0], want, err_msg=p.key)
+                if e in held:
+                    np.testing.assert_array_equal(kept[stacked][held.index(e)], want, err_msg=p.key)
                     checked.add(stacked)
                 else:
                     assert (p.axis, p.a, p.b) == (0, 0, 0), p.key  # nothing of it is sent
                 continue
             if ".switch_mlp." in p.name:
-                assert (p.axis, p.a, p.b) == (0, e0, e1), p.key
+                assert (p.axis, p.a, p.b) == (0, min(held), max(held) + 1), p.key
+                want = want[np.array(held) - p.a]  # the rows it keeps of the range it is sent
             np.testing.assert_array_equal(kept[p.name], want, err_msg=f"rank {r}: {p.key}")
             checked.add(p.name)
         # Every parameter the rank holds was checked against a piece it is sent.
         assert checked == set(kept), sorted(set(kept) - checked)
 
 
-def test_a_shard_of_only_those_pieces_loads_the_same_rank(moe, tmp_path):
+@pytest.mark.parametrize("replicas", [None, REPLICAS], ids=["", "replicas"])
+def test_a_shard_of_only_those_pieces_loads_the_same_rank(moe, tmp_path, replicas):
     """Write rank r's pieces as a fetched shard (slices and empty slices in the manifest):
     the loader pads them back and keeps exactly what it keeps from the whole model."""
     stored = dict(mx.load(str(moe / "model.safetensors")))
     index = index_model(moe)
-    layout = Layout("ep", expert_split=SPLIT, compile=False)
+    layout = Layout("ep", expert_split=SPLIT, compile=False, expert_replicas=replicas)
     for r in (0, 1):
         shard = tmp_path / f"shard{r}"
         shard.mkdir()
         weights, slices = {}, {}
-        for p in rank_pieces(index, RankLayout(rank=r, world=2, parallel="ep", expert_split=SPLIT)):
+        rank = RankLayout(
+            rank=r, world=2, parallel="ep", expert_split=SPLIT, expert_replicas=replicas
+        )
+        for p in rank_pieces(index, rank):
             if p.is_file:
                 name = p.name.removeprefix("file:")
                 (shard / name).write_bytes((moe / name).read_bytes())
