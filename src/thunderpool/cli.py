@@ -80,6 +80,7 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
         type=_ints,
         help="EP: routed experts per rank, e.g. 96,160 (default: in proportion to --tp-weights)",
     )
+    add_replication(p)
     _add_backend(p)
     p.add_argument(
         "--timeout",
@@ -89,6 +90,22 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     )
     add_allow_untested(p)
     add_no_compile(p)
+
+
+def add_replication(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--replicate-experts",
+        type=_positive,
+        metavar="N",
+        help="EP: copy each MoE layer's N most routed experts onto the least loaded other "
+        "rank (tokens split between the copies); needs routing counts (`route-counts`)",
+    )
+    p.add_argument(
+        "--routing",
+        metavar="FILE",
+        help="routing counts for --replicate-experts and `plan` (default: "
+        "thunderpool-routing.json next to the model)",
+    )
 
 
 def add_no_compile(p: argparse.ArgumentParser) -> None:
@@ -236,6 +253,15 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         pass
 
+    rc = sub.add_parser(
+        "route-counts",
+        help="count how often each MoE layer routes to each expert on calibration prompts "
+        "(JSON for --replicate-experts and plan --routing)",
+    )
+    rc.add_argument("--model", help="a MoE model (dir, .gguf or repo id)")
+    rc.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: built in)")
+    rc.add_argument("--out", help="JSON to write (default: thunderpool-routing.json in the model)")
+
     imp = sub.add_parser(
         "import-gguf",
         help="turn a GGUF file (llama, mistral/mixtral, qwen2, qwen3, qwen3moe, gemma3, phi3, "
@@ -274,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--modes", type=_modes, default=("tp", "pp"), help="parallel modes (default tp,pp)"
     )
+    add_replication(bench)
     _add_speculation(bench)
     bench.add_argument(
         "--draft-layers",
@@ -385,16 +412,16 @@ def _main(argv: list[str] | None) -> int:
     # SIGTERM unwinds like Ctrl-C, so that every rank this process started is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
+        ep_flags = getattr(args, "parallel", None) == "ep" or "ep" in getattr(args, "modes", ())
+        if getattr(args, "replicate_experts", None) and not ep_flags:
+            raise ThunderpoolError(
+                "--replicate-experts copies experts for --parallel ep (bench: --modes ep) only; "
+                "add it or drop --replicate-experts"
+            )
         if getattr(args, "expert_split", None) and getattr(args, "parallel", None) != "ep":
             raise ThunderpoolError(
                 "--expert-split places experts for --parallel ep only; add --parallel ep or "
                 "drop --expert-split"
-            )
-        if getattr(args, "parallel", None) == "ep" and getattr(args, "cluster", False):
-            raise ThunderpoolError(
-                "--parallel ep runs on local ranks only for now: the cluster's planner and "
-                "weight fabric do not place whole experts yet; drop --cluster, or use "
-                "--parallel tp with it"
             )
         match args.command:
             case "generate":
@@ -433,6 +460,10 @@ def _main(argv: list[str] | None) -> int:
                 from thunderpool.chat import chat_main
 
                 return chat_main(args)
+            case "route-counts":
+                from thunderpool.parallel.routing import route_counts_main
+
+                return route_counts_main(args)
             case "import-gguf":
                 from thunderpool.commands import import_gguf
 

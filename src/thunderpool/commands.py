@@ -33,7 +33,8 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
     parallel = args.parallel or "tp"
     model_dir = resolve_model(args.model)
     expert_split = getattr(args, "expert_split", None)
-    layout = Layout(parallel, args.tp_weights, args.layer_split, expert_split)
+    replicas = replica_fields(args, model_dir, nodes)
+    layout = Layout(parallel, args.tp_weights, args.layer_split, expert_split, **replicas)
     config = preflight(model_dir, nodes, layout)
     guard(config, nodes, parallel, args.allow_untested)
     if getattr(args, "draft_model", None) == "mtp":
@@ -43,9 +44,24 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
     fields = {"parallel": parallel, "tp_weights": args.tp_weights, "layer_split": args.layer_split}
     if expert_split:
         fields["expert_split"] = expert_split
+    fields.update(replicas)
     job = make_job(nodes, fields, str(model_dir))
     job = job.model_copy(update={"backend": backend})
     return local_instance(job, timeout=timeout), model_dir.name
+
+
+def replica_fields(args: argparse.Namespace, model_dir: Path, nodes: int) -> dict:
+    """{"expert_replicas": ...} for --replicate-experts on `nodes` EP ranks, else {}."""
+    copies = getattr(args, "replicate_experts", None)
+    if not copies or nodes < 2:
+        return {}
+    from thunderpool.parallel.routing import expert_replicas
+
+    split = getattr(args, "expert_split", None)
+    replicas = expert_replicas(
+        model_dir, nodes, copies, args.routing, args.tp_weights, list(split) if split else None
+    )
+    return {"expert_replicas": replicas}
 
 
 def draft_fields(args: argparse.Namespace) -> dict:
@@ -273,6 +289,7 @@ def bench(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         tp_weights=args.tp_weights,
         compile=args.compile,
+        expert_replicas=replica_fields(args, model_dir, max(args.nodes)).get("expert_replicas"),
     )
     return 0
 

@@ -46,10 +46,15 @@ def run(job: RankJob) -> None:
     if group.size() != job.world_size:
         raise ThunderpoolError(f"MLX formed a group of {group.size()}, expected {job.world_size}")
     emit("runtime", **runtime(job))
-    # An MTP draft reads every prefill position's hidden state (engine/mtp.py).
-    mtp = job.draft_model == "mtp"
     layout = Layout(
-        job.parallel, job.tp_weights, job.layer_split, job.expert_split, job.compile, mtp
+        job.parallel,
+        job.tp_weights,
+        job.layer_split,
+        job.expert_split,
+        job.compile,
+        # An MTP draft reads every prefill position's hidden state (engine/mtp.py).
+        every_position=job.draft_model == "mtp",
+        expert_replicas=job.expert_replicas,
     )
     progress = load_progress(group.rank())
     match job.task:

@@ -168,6 +168,53 @@ def test_tp2_slices_quantized_and_expert_matrices_at_the_source(pair, tiny_model
     assert got < 0.7 * (model / "model.safetensors").stat().st_size
 
 
+@pytest.mark.slow
+def test_ep2_as_planned_fetches_only_its_experts_and_matches_one_rank(pair, tiny_models, tmp_path):
+    """The planner's EP plan, launched over the fabric: node b is sent its attention slices
+    and only its own experts' tensors (per-expert checkpoint), and decodes as one rank does."""
+    from thunderpool.cluster.coordinator import plan_layout
+    from thunderpool.planner.cost import LinkSpec, NodeSpec
+    from thunderpool.planner.placement import place
+    from thunderpool.planner.spec import model_spec
+
+    _, a, b, coord = pair
+    model = tiny_models["qwen3_moe"]
+    nodes = [NodeSpec(n, 8 << 30, 4 << 30, 50e9, 1e11) for n in ("a", "b")]
+    plan = next(
+        p
+        for p in place(model_spec(model), nodes, [LinkSpec("a", "b", 1e-4, 1e9, "ethernet")])
+        if p.kind == "ep"
+    )
+    layout = plan_layout(plan)
+    assert layout["parallel"] == "ep" and layout["expert_split"] == (2, 2)
+    ref = run_trace(model, tmp_path / "ref.npz", 1, prompts=tiny_prompts(2), max_tokens=16)
+    before = received(b)
+    task = TraceTask(prompts=tuple(map(tuple, tiny_prompts(2))), max_tokens=16, out="")
+    task = task.model_copy(update={"out": str(tmp_path / "ep.npz")})
+    job = RankJob(model_dir=str(model), world_size=2, task=task, **layout)
+    with ClusterInstance(coord, coord.discover(), list(plan.nodes), job, timeout=300) as inst:
+        events = list(inst.events())
+    got = np.load(tmp_path / "ep.npz")
+    np.testing.assert_array_equal(got["tokens"], ref["tokens"])
+    np.testing.assert_allclose(got["logits"], ref["logits"], atol=1e-4)
+    assert [e.event.get("experts") for e in events if e.event["kind"] == "loaded"] in (
+        [[0, 2], [2, 4]],
+        [[2, 4], [0, 2]],
+    )
+    index = index_model(model)
+    pieces = rank_pieces(index, RankLayout(rank=1, world=2, parallel="ep", expert_split=(2, 2)))
+    assert not any(geometry(p, index).size for p in pieces if ".experts.0." in p.name)
+    fetched = received(b) - before
+    # Its whole experts move (no earlier shard holds them); pieces cached before may not.
+    experts = sum(geometry(p, index).size for p in pieces if ".experts." in p.name)
+    assert 0 < experts <= fetched <= sum(geometry(p, index).size for p in pieces)
+    files = sum(p.stat().st_size for p in model.iterdir() if p.suffix == ".json")
+    assert 0 < fetched <= (loaded_bytes(events, 1) + files) * 1.05, (
+        fetched,
+        loaded_bytes(events, 1),
+    )
+
+
 def test_pp2_fetches_its_stage_and_reuses_what_the_tp_shard_holds(pair, tmp_path):
     model, a, b, _ = pair
     ref = run_trace(model, tmp_path / "ref.npz", 1, prompts=tiny_prompts(2), max_tokens=16)

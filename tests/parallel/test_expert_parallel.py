@@ -170,3 +170,60 @@ def test_describe_layout_shows_each_ranks_experts():
     assert got["parallel"] == "ep"
     assert [r["experts"] for r in got["ranks"]] == [[0, 3], [3, 4]]
     assert [r["heads"]["q"] for r in got["ranks"]] == [[0, 2], [2, 4]]
+
+
+@pytest.mark.parametrize("n_tokens", [1, 70])
+def test_replicated_experts_are_computed_once_and_add_up_to_the_block(n_tokens):
+    """Experts 2 + 1 + 2 of 5 on three ranks, expert 0 copied onto ranks 1 and 2 and expert 4
+    onto rank 0: every (token, route) is computed by exactly one holder, so the ranks' outputs
+    still sum to the full block's, and the copies take a share of expert 0's routes."""
+    mx.random.seed(0)
+    n, dim, hidden, k = 5, 16, 24, 2
+    full = SwitchGLU(dim, hidden, n)
+    x = mx.random.normal((1, n_tokens, dim))
+    inds = mx.argpartition(mx.random.normal((1, n_tokens, n)), kth=-k, axis=-1)[..., -k:]
+    shares = experts.split_experts(n, [1.0] * 3, [2, 1, 2])
+    replicas = ((0, 1), (0, 2), (4, 0))
+    total, seen = mx.zeros((*inds.shape, dim)), np.zeros(inds.shape, dtype=np.int32)
+    for r, share in enumerate(shares):
+        held = experts.holders(shares, replicas, r)
+        rows = list(range(share.e0, share.e1)) + list(held.extra)
+        part = SwitchGLU(dim, hidden, len(rows))
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            part[p]["weight"] = full[p]["weight"][mx.array(rows)]
+        y = experts.LocalExperts(part, share, True, held)(x, inds)
+        total = total + y
+        seen += np.array(mx.any(y != 0, axis=-1)).astype(np.int32)
+    np.testing.assert_allclose(np.array(total), np.array(full(x, inds)), atol=1e-5)
+    assert seen.max() == 1  # no route computed twice
+    table = experts.holders(shares, replicas, 0)
+    who = experts.route_holders(np.array(inds.reshape(-1, k)), table.table, table.count)
+    to0 = who[np.array(inds.reshape(-1, k)) == 0]
+    if n_tokens > 1:
+        assert set(to0.tolist()) == {0, 1, 2}  # expert 0's tokens are spread over its holders
+
+
+@pytest.mark.slow
+def test_ep2_with_replicated_experts_matches_unsharded(dirs, references, tmp_path):
+    """qwen3_moe EP2 (experts 2 + 2) with expert 0 of layers 1-3 also on rank 1 and expert 3
+    of layer 2 also on rank 0: the same greedy tokens and logits as one rank."""
+    tokens, logits, _ = references["qwen3_moe"]
+    replicas = ((1, 0, 1), (2, 0, 1), (3, 0, 1), (2, 3, 0))
+    got = run_trace(
+        dirs["qwen3_moe"],
+        tmp_path / "t.npz",
+        2,
+        "ep",
+        prompts=PROMPTS,
+        max_tokens=STEPS,
+        expert_replicas=replicas,
+    )
+    np.testing.assert_array_equal(got["tokens"], tokens)
+    np.testing.assert_allclose(got["logits"], logits, atol=TOL, rtol=TOL)
+    # The copies are held: rank 1 has 3 extra expert rows, rank 0 one (float32 gate/up/down).
+    config = FAMILIES["qwen3_moe"].config
+    expert = 3 * config["moe_intermediate_size"] * config["hidden_size"] * 4
+    loaded = {e.rank: e.event["param_bytes"] for e in got["events"] if e.event["kind"] == "loaded"}
+    assert loaded[1] - loaded[0] == 2 * expert
+    with pytest.raises(ShardingError, match="layer 0, expert 1, rank 1"):
+        preflight(dirs["qwen3_moe"], 2, Layout("ep", expert_replicas=((0, 1, 1),)))

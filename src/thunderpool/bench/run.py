@@ -28,6 +28,7 @@ def bench_parallel(
     backend: str = "ring",
     tp_weights: tuple[float, ...] | None = None,
     compile: bool = True,
+    expert_replicas: tuple[tuple[int, int, int], ...] | None = None,
 ) -> dict:
     """Run a BenchTask on `nodes` local ranks; the leader's results plus per-rank memory.
 
@@ -48,6 +49,7 @@ def bench_parallel(
         backend="mpi" if backend == "mpi" and nodes > 1 else "ring",
         tp_weights=tp_weights if parallel in ("tp", "ep") and nodes > 1 else None,
         compile=compile,
+        expert_replicas=expert_replicas if parallel == "ep" and nodes > 1 else None,
     )
     from thunderpool.cluster.mpi import local_instance
 
@@ -94,6 +96,7 @@ def run_bench(
     timeout: float = 600.0,
     tp_weights: tuple[float, ...] | None = None,
     compile: bool = True,
+    expert_replicas: tuple[tuple[int, int, int], ...] | None = None,
 ) -> dict:
     """One rank against mlx-lm, then each mode at each node count; prints tables, writes
     JSON and plots (to `json_out` and/or `out_dir`)."""
@@ -130,6 +133,7 @@ def run_bench(
                         backend=backend,
                         tp_weights=tp_weights,
                         compile=compile,
+                        expert_replicas=expert_replicas if n == max(counts) else None,
                     )
                 except ThunderpoolError as e:
                     # One layout that cannot run (e.g. more ranks than layers) should not hide

@@ -100,6 +100,11 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--context", type=int, default=4096, help="tokens of context per request")
     p.add_argument("--concurrency", type=int, default=1, help="requests served at once")
     p.add_argument("--top", type=int, default=8, help="plans to show")
+    p.add_argument(
+        "--routing",
+        metavar="FILE",
+        help="MoE: measured routing counts (`thunderpool route-counts`) for EP plans' imbalance",
+    )
     add_cluster_args(p)
     from thunderpool.cli import add_allow_untested
 
@@ -115,6 +120,7 @@ def ranked_plans(args: argparse.Namespace, state: ClusterState):
     spec = model_spec(model_here_or_remote(args.model, lambda: coordinator(args)))
     nodes, links = node_specs(state)
     concurrency = getattr(args, "concurrency", 1)  # bench's --concurrency is a list of levels
+    routing = _routing(args)
     return place(
         spec,
         nodes,
@@ -122,7 +128,16 @@ def ranked_plans(args: argparse.Namespace, state: ClusterState):
         context_tokens=getattr(args, "context", 4096),
         concurrency=concurrency if isinstance(concurrency, int) else 1,
         prefix_cache_bytes=(getattr(args, "prefix_cache_gb", 0.0) or 0.0) * 2**30,
+        routing={i: routing.popularity(i) for i in routing.layers} if routing else None,
     )
+
+
+def _routing(args: argparse.Namespace):
+    """The RoutingCounts --routing names, or None."""
+    from thunderpool.parallel.routing import RoutingCounts
+
+    path = getattr(args, "routing", None)
+    return RoutingCounts.read(path) if path else None
 
 
 def plan_main(args: argparse.Namespace) -> int:
@@ -213,7 +228,12 @@ class ClusterPlanner:
             from thunderpool.models.families import warn_untested
 
             warn_untested(plan.unverified, self.console)
-        job = self.make_job(len(plan.nodes), plan_layout(plan))
+        layout = plan_layout(plan)
+        if layout["parallel"] == "ep" and getattr(self.args, "expert_split", None):
+            layout["expert_split"] = _expert_split(self.args.expert_split, plan)
+        if layout["parallel"] == "ep" and getattr(self.args, "replicate_experts", None):
+            layout["expert_replicas"] = _replicas(self.args, layout["expert_split"])
+        job = self.make_job(len(plan.nodes), layout)
         names = [state.nodes[n].name for n in plan.nodes]
         reason = _named(plan.reason, state)
         self.console.print(f"[dim]plan: {plan.kind} over {' > '.join(names)}: {reason}[/]")
@@ -243,6 +263,31 @@ class ClusterPlanner:
             {"id": k, "name": n.name, "contact": known.contacts.get(k, ""), "alive": k not in dead}
             for k, n in sorted(known.nodes.items(), key=lambda kv: kv[1].name)
         ]
+
+
+def _replicas(args: argparse.Namespace, split) -> tuple[tuple[int, int, int], ...]:
+    """--replicate-experts on the planned EP ranks, from --routing's measured counts."""
+    from thunderpool.planner.ep import plan_replicas
+
+    routing = _routing(args)
+    if routing is None or routing.experts != sum(split):
+        raise ThunderpoolError(
+            "--replicate-experts with --cluster needs --routing FILE: this model's routing "
+            f"counts over its {sum(split)} experts (`thunderpool route-counts`)"
+        )
+    popularity = {i: routing.popularity(i) for i in routing.layers}
+    return plan_replicas(popularity, list(split), args.replicate_experts)
+
+
+def _expert_split(counts, plan) -> tuple[int, ...]:
+    """--expert-split for the planned EP ranks: one count per rank, as many experts in all."""
+    if len(counts) != len(plan.nodes) or sum(counts) != sum(plan.experts):
+        raise ThunderpoolError(
+            f"--expert-split {','.join(map(str, counts))} does not fit the plan's "
+            f"{len(plan.nodes)} ranks and {sum(plan.experts)} experts; drop it, or add "
+            f"--nodes {len(counts)}"
+        )
+    return tuple(counts)
 
 
 def _refusal(plan, runnable) -> ThunderpoolError:

@@ -241,6 +241,8 @@ def plan_layout(plan: Plan) -> dict:
     """RankJob fields for a plan (hybrid plans run as PP over their nodes for now)."""
     if plan.kind == "tp":
         return {"parallel": "tp", "tp_weights": plan.tp_weights}
+    if plan.kind == "ep":  # whole experts per rank, as many as the planner priced
+        return {"parallel": "ep", "tp_weights": plan.tp_weights, "expert_split": plan.experts}
     if plan.kind in ("pp", "hybrid"):
         return {"parallel": "pp", "layer_split": plan.layer_split}
     return {"parallel": "tp"}

@@ -43,6 +43,8 @@ def rank_layout(job: RankJob, rank: int, world: int) -> RankLayout:
         parallel=job.parallel,
         tp_weights=tuple(job.tp_weights) if job.tp_weights else None,
         layer_split=tuple(job.layer_split) if job.layer_split else None,
+        expert_split=tuple(job.expert_split) if job.expert_split else None,
+        expert_replicas=job.expert_replicas,
     )
 
 

@@ -3,8 +3,11 @@
 A piece is one tensor, or one plain row/column range of one tensor (a TP rank's heads or
 channels), or one small non-weight file (config, tokenizer, chat template). Its byte stream is
 the C-order bytes of the slice, cut into chunks the source hashes and the receiver verifies.
-The slices here are the ones parallel/tensor.py and parallel/vocab.py cut, computed with the
-same split functions, so a pre-sliced shard loads into exactly the same sharded model.
+The slices here are the ones parallel/tensor.py, parallel/vocab.py and parallel/experts.py cut,
+computed with the same split functions, so a pre-sliced shard loads into exactly the same
+sharded model. An EP rank gets rows [e0, e1) of stacked experts and, of a checkpoint that
+stores each expert apart, only its own experts' tensors: the others are empty slices, which
+the loader pads back with zeros that the rank never reads.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from thunderpool.errors import ModelError, ShardingError
+from thunderpool.parallel.experts import ExpertShare, routed_experts, split_experts
 from thunderpool.parallel.pipeline import split_layers
 from thunderpool.parallel.tensor import proportional_split, split_heads
 
@@ -189,18 +193,65 @@ class RankLayout(BaseModel):
     parallel: str = "tp"
     tp_weights: tuple[float, ...] | None = None
     layer_split: tuple[int, ...] | None = None
+    expert_split: tuple[int, ...] | None = None  # EP: routed experts per rank
+    expert_replicas: tuple[tuple[int, int, int], ...] | None = None  # EP: (layer, expert, rank)
 
 
 def rank_pieces(index: ModelIndex, layout: RankLayout) -> list[Piece]:
-    """Exactly what this rank's loader reads: its stage's tensors (PP) or its heads' and
-    channels' slices (TP), plus every non-weight file."""
+    """Exactly what this rank's loader reads: its stage's tensors (PP), its heads' and
+    channels' slices (TP), or those plus its whole experts (EP), and every non-weight file."""
     files = [Piece(name=f"file:{f}") for f in index.files]
     names = sorted(index.tensors)
     if layout.world == 1:
         return files + [Piece(name=n) for n in names]
     if layout.parallel == "pp":
         return files + [Piece(name=n) for n in names if _in_stage(n, index.config, layout)]
+    if layout.parallel == "ep":
+        share = expert_share(index.config, layout)
+        extra: dict[int, set[int]] = {}  # layer -> replicated experts this rank also holds
+        for layer, e, r in layout.expert_replicas or ():
+            if r == layout.rank:
+                extra.setdefault(layer, set()).add(e)
+        return files + [_ep_piece(n, index, layout, share, extra) for n in names]
     return files + [_tp_piece(n, index, layout) for n in names]
+
+
+def expert_share(config: dict, layout: RankLayout) -> ExpertShare:
+    """The routed experts this EP rank holds, split as parallel/experts.py splits them."""
+    n = routed_experts(config)
+    if not n:
+        raise ShardingError(
+            f"--parallel ep needs a MoE model; {config.get('model_type')} has no routed experts"
+        )
+    weights = list(layout.tp_weights or [1.0] * layout.world)
+    counts = list(layout.expert_split) if layout.expert_split else None
+    return split_experts(n, weights, counts)[layout.rank]
+
+
+# A routed expert's tensor inside a layer: stacked (switch_mlp.*, gpt-oss's experts.*) or one
+# expert's own (experts.N.*, as Hugging Face checkpoints store them).
+_EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.(?:switch_mlp|experts)\.(?:(?P<e>\d+)\.)?")
+
+
+def _ep_piece(
+    name: str, index: ModelIndex, layout: RankLayout, share: ExpertShare, extra: dict
+) -> Piece:
+    """The rows of stacked experts this rank holds, its own per-expert tensors whole and the
+    others' as empty slices; everything else as TP slices it. A layer with replicated experts
+    on this rank gets the one row range that covers them too (a piece is one range)."""
+    config, t = index.config, index.tensors[name]
+    m = _LAYER.search(name)
+    e = _EXPERT.match(name[m.end() :]) if m else None
+    if e is None or ("quantization_config" in config and "quantization" not in config):
+        return _tp_piece(name, index, layout)
+    copies = extra.get(int(m.group(1)), set())
+    if e["e"] is not None:
+        mine = share.e0 <= int(e["e"]) < share.e1 or int(e["e"]) in copies
+        return Piece(name=name) if mine or not t.shape else Piece(name=name, axis=0, a=0, b=0)
+    if t.shape and t.shape[0] == routed_experts(config):
+        a, b = min([share.e0, *copies]), max([share.e1, *(c + 1 for c in copies)])
+        return Piece(name=name, axis=0, a=a, b=b)
+    return Piece(name=name)
 
 
 def _in_stage(name: str, config: dict, layout: RankLayout) -> bool:

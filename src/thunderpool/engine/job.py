@@ -66,6 +66,8 @@ class RankJob(_Frozen):
     tp_weights: tuple[float, ...] | None = None
     layer_split: tuple[int, ...] | None = None
     expert_split: tuple[int, ...] | None = None  # EP: routed experts per rank
+    # EP: (layer, expert, rank) copies of hot experts on ranks besides their owner
+    expert_replicas: tuple[tuple[int, int, int], ...] | None = None
     prefill_chunk: int = Field(512, ge=1)
     compile: bool = True  # compiled decode steps where proven equal (engine/compiled.py)
     draft_model: str | None = None  # the leader's draft for speculative decoding (a model dir)

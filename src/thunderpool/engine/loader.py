@@ -40,6 +40,7 @@ class Layout:
     # PP: the last stage hands the leader every prefill position's hidden state, not only
     # the last one's (an MTP draft reads them all: engine/mtp.py).
     every_position: bool = False
+    expert_replicas: tuple[tuple[int, int, int], ...] | None = None  # EP: (layer, expert, rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +244,8 @@ def load_shard(
         weights = list(layout.tp_weights or []) or None
         counts = list(layout.expert_split or []) or None
         stored = StoredRows.of(model_dir)
-        share = experts.shard(model, group, weights, counts, read=stored.rows)
+        replicas = layout.expert_replicas
+        share = experts.shard(model, group, weights, counts, read=stored.rows, replicas=replicas)
         method = "ep"
         vocab.split_vocab(model, group, weights, stored.rows)
     elif group.size() > 1:
@@ -291,7 +293,8 @@ def preflight(model_dir: Path, world_size: int, layout: Layout) -> dict:
         split_layers(len(model.layers), world_size, list(layout.layer_split or []) or None)
     elif world_size > 1 and layout.parallel == "ep":
         counts = list(layout.expert_split or []) or None
-        experts.check(model, world_size, list(layout.tp_weights or []) or None, counts)
+        weights = list(layout.tp_weights or []) or None
+        experts.check(model, world_size, weights, counts, layout.expert_replicas)
     elif world_size > 1:
         tensor.check(model, world_size, list(layout.tp_weights or []) or None)
     return config

@@ -12,10 +12,11 @@ imbalance is a floor. An EP rank also reads the route mask on the host once per 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
-from thunderpool.parallel.experts import split_experts
+from thunderpool.parallel.experts import route_holders, split_experts
 from thunderpool.planner import cost
 from thunderpool.planner.cost import LinkSpec, NodeSpec, Prediction, Stage
 from thunderpool.planner.spec import ModelSpec
@@ -41,22 +42,90 @@ def expert_load(
     rates: list[float],
     samples: int = 0,
     seed: int = 0,
+    popularity: tuple[float, ...] | None = None,
+    replicas: tuple[tuple[int, int], ...] = (),
 ) -> tuple[float, float]:
     """(expected max over ranks, mean over ranks) of experts touched / rate, for `batch` tokens
-    each routed to k distinct experts drawn uniformly; rank r holds counts[r] experts."""
-    samples = samples or max(64, min(2000, 400_000 // max(1, batch * n_experts)))
+    each routed to k distinct experts; rank r holds counts[r] experts. Routes are drawn in
+    proportion to `popularity` (measured routing counts; default uniform); `replicas` are extra
+    (expert, rank) holders, which split the expert's tokens by position as LocalExperts does."""
+    pop = tuple(float(x) for x in popularity) if popularity is not None else None
+    return _expert_load(
+        n_experts, k, tuple(counts), batch, tuple(rates), samples, seed, pop, tuple(replicas)
+    )
+
+
+@lru_cache(maxsize=4096)  # the planner prices many node groups of the same shape
+def _expert_load(
+    n_experts, k, counts, batch, rates, samples, seed, popularity, replicas
+) -> tuple[float, float]:
     rng = np.random.default_rng(seed)
-    owner = np.repeat(np.arange(len(counts)), counts)  # expert -> rank
-    worst = mean = 0.0
+    n_ranks = len(counts)
+    table, h = _holders(counts, replicas)  # (E, H) ranks holding each expert, and how many
+    w = np.ones(n_experts) if popularity is None else np.asarray(popularity, dtype=np.float64)
+    w = w / w.sum()
     rate = np.asarray(rates, dtype=np.float64)
-    for _ in range(samples):
-        routes = np.argpartition(rng.random((batch, n_experts)), k - 1, axis=1)[:, :k]
-        touched = np.zeros(n_experts, dtype=bool)
-        touched[routes.ravel()] = True
-        per_rank = np.bincount(owner[touched], minlength=len(counts)) / rate
-        worst += per_rank.max()
-        mean += per_rank.mean()
-    return worst / samples, mean / samples
+    if batch * n_experts > 1 << 15:
+        # Large batches: each holder of e is touched when any of its ~batch/h tokens routes to
+        # e; per-token inclusion k*w (capped), independently per expert (a tiny error here).
+        pi = np.minimum(1.0, k * w)
+        q = 1.0 - (1.0 - pi[:, None]) ** (batch / h[:, None])  # (E, 1)
+        valid = np.arange(table.shape[1])[None, :] < h[:, None]  # (E, H)
+        samples = samples or 256
+        hit = (rng.random((samples, *table.shape)) < q) & valid  # (S, E, H)
+        onehot = np.eye(n_ranks)[table]  # (E, H, R)
+        per_rank = np.einsum("seh,ehr->sr", hit.astype(np.float64), onehot) / rate
+        return float(per_rank.max(1).mean()), float(per_rank.mean())
+    samples = samples or max(64, min(2000, 400_000 // max(1, batch * n_experts)))
+    worst = mean = 0.0
+    logw = np.log(np.where(w > 0, w, 1.0))
+    step = max(1, (1 << 22) // (batch * n_experts))  # samples drawn at once
+    for first in range(0, samples, step):
+        m = min(step, samples - first)
+        # k distinct experts per token, weighted (Efraimidis-Spirakis: the k largest keys).
+        keys = np.log(rng.random((m, batch, n_experts))) / np.exp(logw)
+        keys[..., w <= 0] = -np.inf
+        routes = np.argpartition(-keys, k - 1, axis=2)[..., :k]  # (m, batch, k)
+        if replicas:  # the holder LocalExperts picks, from the routes alone
+            flat = routes.reshape(-1, k)
+            ranks = route_holders(flat, table, h).reshape(routes.shape)
+        else:
+            ranks = table[routes, 0]
+        touched = np.zeros((m, n_experts * n_ranks), dtype=bool)
+        np.put_along_axis(touched, (routes * n_ranks + ranks).reshape(m, -1), True, axis=1)
+        per_rank = touched.reshape(m, n_experts, n_ranks).sum(1) / rate
+        worst += per_rank.max(1).sum()
+        mean += per_rank.mean(1).sum()
+    return float(worst / samples), float(mean / samples)
+
+
+def _holders(counts, replicas) -> tuple[np.ndarray, np.ndarray]:
+    """(E, H) table of the ranks holding each expert (its owner first; short rows padded with
+    the owner) and each expert's number of holders."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    rows = [[int(o)] for o in owner]
+    for e, r in replicas:
+        if r not in rows[e]:
+            rows[e].append(int(r))
+    width = max(len(r) for r in rows)
+    table = np.array([r + [r[0]] * (width - len(r)) for r in rows])
+    return table, np.array([len(r) for r in rows])
+
+
+def route_shares(
+    counts: list[int],
+    popularity: tuple[float, ...] | None = None,
+    replicas: tuple[tuple[int, int], ...] = (),
+) -> np.ndarray:
+    """Each rank's expected share of all routes (its compute share under EP)."""
+    table, h = _holders(counts, replicas)
+    w = np.ones(len(table)) if popularity is None else np.asarray(popularity, dtype=np.float64)
+    w = w / w.sum()
+    out = np.zeros(len(counts))
+    for e in range(len(table)):
+        for j in range(h[e]):
+            out[table[e, j]] += w[e] / h[e]
+    return out
 
 
 def predict_ep(
@@ -69,9 +138,13 @@ def predict_ep(
     kv_dtype_bytes: float = 2.0,
     act_bytes: float = 2.0,
     counts: list[int] | None = None,
+    routing: dict[int, tuple[float, ...]] | None = None,
+    replicas: tuple[tuple[int, int, int], ...] = (),
 ) -> EPPrediction:
     """TP and EP over one stage's nodes: attention, dense MLPs and shared experts split as TP
-    in both; EP holds whole routed experts (`counts` per rank, default by the TP weights)."""
+    in both; EP holds whole routed experts (`counts` per rank, default by the TP weights).
+    `routing`: each MoE layer's measured share of routes per expert (parallel/routing.py;
+    default uniform); `replicas`: (layer, expert, rank) copies of hot experts."""
     if not isinstance(nodes, dict):
         nodes = {n.name: n for n in nodes}
     tp = cost.predict(
@@ -84,9 +157,13 @@ def predict_ep(
     moe = [i for i in range(*stage.layers) if spec.expert_bytes_per_layer[i]]
     per_expert = sum(spec.expert_bytes_per_layer[i] for i in moe) / spec.experts  # all layers
     per_param = spec.total_bytes / spec.params if spec.params else 1.0
+    pops = {i: (routing or {}).get(i) for i in moe}
+    reps = {i: tuple((e, r) for layer, e, r in replicas if layer == i) for i in moe}
 
     def expert_s(batch: int) -> tuple[float, float, float]:
         """(TP's, EP's expected, EP's mean-rank) seconds of routed experts in one forward."""
+        if any(pops.values()) or any(reps.values()):
+            return measured_s(batch)
         touched = spec.experts * (1 - (1 - spec.experts_per_tok / spec.experts) ** batch)
         flops = 2 * batch * spec.experts_per_tok * per_expert / per_param  # all ranks together
         tp_s = max(
@@ -102,6 +179,28 @@ def predict_ep(
             [r.mem_bw_Bps / per_expert for r in runs],
         )
         flop_s = max(n / spec.experts * flops / r.flops for n, r in zip(experts, runs, strict=True))
+        return tp_s, max(worst, flop_s), max(mean, flop_s)
+
+    def measured_s(batch: int) -> tuple[float, float, float]:
+        """expert_s, layer by layer: each waits for its own slowest rank."""
+        k, n_moe = spec.experts_per_tok, max(1, len(moe))
+        flops = 2 * batch * k * per_expert / per_param
+        tp_bytes = worst = mean = 0.0
+        routes = np.zeros(len(runs))
+        for i in moe:
+            size = spec.expert_bytes_per_layer[i] / spec.experts
+            w = np.asarray(pops[i] or [1.0] * spec.experts, dtype=np.float64)
+            w = w / w.sum()
+            tp_bytes += size * float(np.sum(1 - (1 - np.minimum(1.0, k * w)) ** batch))
+            rates = [r.mem_bw_Bps / size for r in runs]
+            load = expert_load(spec.experts, k, experts, batch, rates, 256, 0, pops[i], reps[i])
+            worst, mean = worst + load[0], mean + load[1]
+            routes += route_shares(experts, pops[i], reps[i]) / n_moe
+        tp_s = max(
+            max(s.mlp * tp_bytes / r.mem_bw_Bps, s.mlp * flops / r.flops)
+            for s, r in zip(shares, runs, strict=True)
+        )
+        flop_s = max(x * flops / r.flops for x, r in zip(routes, runs, strict=True))
         return tp_s, max(worst, flop_s), max(mean, flop_s)
 
     tp_dec, ep_dec, ep_mean = expert_s(concurrency)
@@ -125,6 +224,9 @@ def predict_ep(
         b - s.mlp * routed + n / spec.experts * routed
         for b, s, n in zip(tp_bytes, shares, experts, strict=True)
     ]
+    for layer, _, r in replicas:  # each copy is one more expert of that layer on rank r
+        if layer in pops:
+            ep_bytes[r] += spec.expert_bytes_per_layer[layer] / spec.experts
     return EPPrediction(
         tp=tp,
         ep=ep,
@@ -133,6 +235,48 @@ def predict_ep(
         tp_weight_bytes=tuple(tp_bytes),
         ep_weight_bytes=tuple(ep_bytes),
     )
+
+
+def plan_replicas(
+    routing: dict[int, tuple[float, ...]], counts: list[int], copies: int
+) -> tuple[tuple[int, int, int], ...]:
+    """(layer, expert, rank): each MoE layer's `copies` hottest experts (measured `routing`
+    shares) get one more holder each, the rank with the smallest expected share of that
+    layer's routes so far."""
+    out = []
+    for layer, pop in sorted(routing.items()):
+        mine: list[tuple[int, int]] = []
+        for e in np.argsort(-np.asarray(pop), kind="stable")[:copies]:
+            table, h = _holders(counts, tuple(mine))
+            held = set(table[e, : h[e]].tolist())
+            load = route_shares(counts, pop, tuple(mine))
+            free = [r for r in range(len(counts)) if r not in held]
+            if free:
+                mine.append((int(e), min(free, key=lambda r: (load[r], r))))
+        out += [(layer, e, r) for e, r in mine]
+    return tuple(out)
+
+
+def ep_costs(spec: ModelSpec, stage: Stage, by_name: dict, links: list, needs, tp_used: dict):
+    """(bytes per node, prediction, experts per rank) of EP over a TP stage's nodes, from the
+    TP plan's memory use (`needs`: placement's _Needs, with any measured `routing`)."""
+    routing = getattr(needs, "routing", None)
+    e = predict_ep(
+        spec,
+        stage,
+        by_name,
+        links,
+        needs.prompt_tokens,
+        needs.concurrency,
+        needs.kv_dtype_bytes,
+        routing=routing,
+    )
+    used = dict(tp_used)
+    for s, tp_b, ep_b in zip(
+        cost.shares(spec, stage), e.tp_weight_bytes, e.ep_weight_bytes, strict=True
+    ):
+        used[s.node] = int(used[s.node] - tp_b + ep_b)
+    return used, e.ep, e.experts
 
 
 def _moved(b: cost.Breakdown, extra_s: float, sync_s: float) -> cost.Breakdown:

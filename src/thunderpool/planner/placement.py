@@ -1,7 +1,8 @@
 """Placement: (ModelSpec, nodes, links, needs) -> Plans ranked by predicted decode speed.
 
-Pure functions. Candidates are every single node, TP over every fully linked subset, PP over
-node orderings, and hybrids (TP inside RDMA-joined groups, PP between them). A plan is kept
+Pure functions. Candidates are every single node, TP over every fully linked subset (and, for
+a MoE model, EP over it: planner/ep.py), PP over node orderings, and hybrids (TP inside
+RDMA-joined groups, PP between them). A plan is kept
 only if every node's weights + KV cache + activations + OS reserve fit its available memory.
 A plan whose layout is not verified for the model's family carries the reason (`unverified`).
 """
@@ -42,7 +43,7 @@ class PlacementError(ThunderpoolError):
 class Plan:
     """A ranked candidate: stages run in order; each stage is TP over its nodes."""
 
-    kind: str  # "single" | "tp" | "pp" | "hybrid"
+    kind: str  # "single" | "tp" | "ep" | "pp" | "hybrid"
     stages: tuple[Stage, ...]
     memory_used: dict[str, int]  # bytes per node, OS reserve included
     memory_free: dict[str, int]  # available_bytes - memory_used, never negative
@@ -50,6 +51,7 @@ class Plan:
     reason: str
     unverified: str = ""  # why this layout is not verified for the model's family ("" if it is)
     compiled: bool = False  # decode runs the compiled step (planner/dispatch.py: compiles)
+    experts: tuple[int, ...] | None = None  # EP: routed experts per rank
 
     @property
     def verified(self) -> bool:
@@ -61,7 +63,7 @@ class Plan:
 
     @property
     def tp_weights(self) -> tuple[float, ...] | None:
-        return self.stages[0].tp_weights if self.kind == "tp" else None
+        return self.stages[0].tp_weights if self.kind in ("tp", "ep") else None
 
     @property
     def layer_split(self) -> tuple[int, ...] | None:
@@ -76,6 +78,7 @@ class _Needs:
     prompt_tokens: int
     prefix_tokens: int = 0  # the prefix cache's budget, in tokens of KV (all nodes together)
     compiled: bool = True  # price the compiled decode step where the engine runs one
+    routing: dict | None = None  # EP: measured share of routes per expert, by MoE layer
 
 
 def place(
@@ -88,6 +91,7 @@ def place(
     prompt_tokens: int | None = None,
     prefix_cache_bytes: float = 0,
     compiled: bool = True,
+    routing: dict[int, tuple[float, ...]] | None = None,
 ) -> list[Plan]:
     """Every plan that fits, fastest predicted decode first; PlacementError if none does.
     `compiled=False` prices every decode step eager (as `--no-compile`, or another tool).
@@ -95,6 +99,7 @@ def place(
     Speed is predicted for decode right after a `prompt_tokens` prompt (default: 512 or the
     context, whichever is smaller); memory is reserved for the full context x concurrency,
     plus the prefix cache's `prefix_cache_bytes` of KV, spread over the nodes as the KV is.
+    EP plans price `routing` (parallel/routing.py's measured counts) where given, else uniform.
     """
     if not nodes:
         raise PlacementError("no nodes to place the model on; start `thunderpool node` on one")
@@ -114,6 +119,7 @@ def place(
         prompt_tokens or min(512, context_tokens),
         prefix,
         compiled,
+        routing,
     )
     by_name = {n.name: n for n in nodes}
     plans = []
@@ -185,24 +191,32 @@ def _plan(spec, kind, stages, by_name, links, needs) -> Plan | None:
         used = memory_use(spec, stages, by_name, needs)
     except ShardingError:
         return None  # heads cannot be split over these weights
+    experts = None
+    if kind == "ep":  # whole experts instead of channel slices: other bytes, other speed
+        from thunderpool.planner.ep import ep_costs
+
+        used, pred, experts = ep_costs(spec, stages[0], by_name, links, needs, used)
     if any(used[n] > by_name[n].available_bytes for n in used):
         return None
     if not _fits_hosts(used, by_name):
         return None
     compiled = needs.compiled and compiles(spec.model_type, kind)
-    pred = predict(
-        spec,
-        stages,
-        by_name,
-        links,
-        prompt_tokens=needs.prompt_tokens,
-        concurrency=needs.concurrency,
-        kv_dtype_bytes=needs.kv_dtype_bytes,
-        compiled=compiled,
-    )
+    if kind != "ep":
+        pred = predict(
+            spec,
+            stages,
+            by_name,
+            links,
+            prompt_tokens=needs.prompt_tokens,
+            concurrency=needs.concurrency,
+            kv_dtype_bytes=needs.kv_dtype_bytes,
+            compiled=compiled,
+        )
     free = {n: by_name[n].available_bytes - used[n] for n in used}
     reason = _reason(kind, stages, pred, links)
-    return Plan(kind, stages, used, free, pred, reason, compiled=compiled)
+    if experts:
+        reason = f"{reason[:-1]}; experts {'+'.join(map(str, experts))})"
+    return Plan(kind, stages, used, free, pred, reason, compiled=compiled, experts=experts)
 
 
 def _fits_hosts(used: dict[str, int], by_name: dict[str, NodeSpec]) -> bool:
@@ -235,6 +249,8 @@ def _candidates(spec, nodes, links, needs):
             if _linked(links, group):
                 weights = tuple(by_name[n].mem_bw_Bps for n in group)
                 yield "tp", (Stage(group, full, weights),)
+                if spec.experts and size <= spec.experts:
+                    yield "ep", (Stage(group, full, weights),)
     roomy = sorted(names, key=lambda n: -by_name[n].available_bytes)
     for order in _orderings(roomy, spec.layers):
         if all(

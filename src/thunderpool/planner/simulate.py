@@ -286,6 +286,7 @@ def plan_table(plans: list[Plan], names: dict[str, str] | None = None) -> Table:
     for i, p in enumerate(plans, 1):
         free = ", ".join(f"{names.get(n, n)} {p.memory_free[n] / GB:.1f} GB" for n in p.nodes)
         split = f" ({'+'.join(map(str, p.layer_split))})" if p.layer_split else ""
+        split = f" ({'+'.join(map(str, p.experts))} experts)" if p.experts else split
         ttft = p.prediction.ttft_s
         table.add_row(
             str(i),

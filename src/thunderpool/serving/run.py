@@ -95,14 +95,16 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
 
 def _local(args, backend: str, model_dir: Path, name: str, max_context: int, token: str):
     from thunderpool.cluster.mpi import local_instance
-    from thunderpool.commands import draft_fields
+    from thunderpool.commands import draft_fields, replica_fields
     from thunderpool.config import LINK_TOKEN_ENV
     from thunderpool.engine.job import RankJob, ServeTask
     from thunderpool.engine.loader import Layout, preflight
 
     nodes, parallel = args.nodes or 2, args.parallel or "tp"
     expert_split = getattr(args, "expert_split", None)
-    preflight(model_dir, nodes, Layout(parallel, args.tp_weights, args.layer_split, expert_split))
+    replicas = replica_fields(args, model_dir, nodes)
+    layout = Layout(parallel, args.tp_weights, args.layer_split, expert_split, **replicas)
+    preflight(model_dir, nodes, layout)
     job = RankJob(
         model_dir=str(model_dir),
         world_size=nodes,
@@ -110,6 +112,7 @@ def _local(args, backend: str, model_dir: Path, name: str, max_context: int, tok
         tp_weights=args.tp_weights,
         layer_split=args.layer_split,
         expert_split=expert_split,
+        **replicas,
         prefill_chunk=args.prefill_chunk,
         compile=args.compile,
         task=ServeTask(
