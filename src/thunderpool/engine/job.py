@@ -62,7 +62,7 @@ class RankJob(_Frozen):
     model_dir: str
     world_size: int = Field(1, ge=1)
     backend: Literal["ring", "jaccl", "mpi"] = "ring"
-    parallel: Literal["tp", "pp", "ep"] = "tp"
+    parallel: Literal["tp", "pp", "ep", "hybrid"] = "tp"
     tp_weights: tuple[float, ...] | None = None
     layer_split: tuple[int, ...] | None = None
     expert_split: tuple[int, ...] | None = None  # EP: routed experts per rank
@@ -70,4 +70,13 @@ class RankJob(_Frozen):
     compile: bool = True  # compiled decode steps where proven equal (engine/compiled.py)
     draft_model: str | None = None  # the leader's draft for speculative decoding (a model dir)
     spec_k: int = Field(4, ge=1, le=64)  # draft tokens per verify step
+    # Hybrid TP×PP: ranks per stage (each stage its own MLX world of that size); the launcher
+    # sets each rank's `stage` and every rank's hand-off address (host:port, global order).
+    groups: tuple[int, ...] | None = None
+    stage: int = Field(0, ge=0)
+    handoff: tuple[str, ...] = ()
     task: Task
+
+    def mlx_world(self) -> int:
+        """The size of this rank's MLX world: all ranks, or its stage's group (hybrid)."""
+        return self.groups[self.stage] if self.groups else self.world_size

@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from thunderpool.config import link_token_from_env
-from thunderpool.engine.control import Control
+from thunderpool.engine.control import control_for
 from thunderpool.engine.engine import Engine, follow
 from thunderpool.engine.job import RankJob, ServeTask
 from thunderpool.engine.loader import Layout, load_shard, peak_rss_bytes
@@ -48,7 +48,7 @@ def serve(
     emit("loaded", **stats.as_event())
     report_memory(emit)
     memory = gather(group, [stats.param_bytes, peak_rss_bytes()])
-    control = Control(group)
+    control = control_for(runner)
     if group.rank() != 0:
         follow(runner, control)
         return
