@@ -60,11 +60,13 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--parallel",
-        choices=("tp", "pp", "ep"),
-        help="tensor parallel (faster), pipeline parallel (fits bigger models) or, for MoE "
-        "models, expert parallel (whole experts per rank, attention as TP); "
+        choices=("tp", "pp", "ep", "hybrid"),
+        help="tensor parallel (faster), pipeline parallel (fits bigger models), for MoE "
+        "models expert parallel (whole experts per rank, attention as TP), or hybrid (TP "
+        "inside each of --groups, PP between them); "
         "default tp locally, the planner's choice with --cluster",
     )
+    _add_groups(p)
     p.add_argument(
         "--cluster",
         action="store_true",
@@ -89,6 +91,45 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     )
     add_allow_untested(p)
     add_no_compile(p)
+
+
+def _add_groups(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--groups",
+        type=_ints,
+        help="hybrid: ranks per pipeline stage, each stage a TP group in its own MLX world, "
+        "e.g. 2,2 (uneven: 2,1; layers per stage with --layer-split, heads per rank with "
+        "--tp-weights over all ranks in order)",
+    )
+
+
+def check_hybrid(args: argparse.Namespace) -> None:
+    """--parallel hybrid and --groups go together; --nodes defaults to their sum."""
+    groups, parallel = getattr(args, "groups", None), getattr(args, "parallel", None)
+    if groups and parallel != "hybrid":
+        raise ThunderpoolError("--groups sizes the stages of --parallel hybrid; add it")
+    if parallel != "hybrid":
+        return
+    if getattr(args, "cluster", False):
+        raise ThunderpoolError(
+            "--parallel hybrid names local groups; with --cluster the planner places hybrid "
+            "plans itself: drop --parallel (or pick a plan with --plan)"
+        )
+    if not groups:
+        raise ThunderpoolError("--parallel hybrid needs --groups, e.g. --groups 2,2")
+    from thunderpool.parallel.handoff import check_groups
+
+    check_groups(groups, getattr(args, "nodes", None))
+    args.nodes = sum(groups)
+    if getattr(args, "draft_model", None):
+        raise ThunderpoolError(
+            "speculative decoding does not run on --parallel hybrid yet; drop --draft-model "
+            "or use --parallel tp or pp"
+        )
+    if getattr(args, "backend", None) == "mpi":
+        raise ThunderpoolError(
+            "--parallel hybrid runs each group as its own MLX ring world; use --backend ring"
+        )
 
 
 def add_no_compile(p: argparse.ArgumentParser) -> None:
@@ -389,6 +430,7 @@ def _main(argv: list[str] | None) -> int:
                 "--expert-split places experts for --parallel ep only; add --parallel ep or "
                 "drop --expert-split"
             )
+        check_hybrid(args)
         if getattr(args, "parallel", None) == "ep" and getattr(args, "cluster", False):
             raise ThunderpoolError(
                 "--parallel ep runs on local ranks only for now: the cluster's planner and "

@@ -25,7 +25,9 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
     from thunderpool.models.source import resolve_model
 
     nodes = args.nodes or 2
-    backend = resolve_backend(args, nodes)
+    groups = getattr(args, "groups", None)
+    # Hybrid: one MLX ring world per group (mpirun starts one world), joined by hand-offs.
+    backend = "ring" if groups else resolve_backend(args, nodes)
     if args.cluster:
         from thunderpool.cluster.cli import cluster_instance
 
@@ -33,12 +35,14 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
     parallel = args.parallel or "tp"
     model_dir = resolve_model(args.model)
     expert_split = getattr(args, "expert_split", None)
-    layout = Layout(parallel, args.tp_weights, args.layer_split, expert_split)
+    layout = Layout(parallel, args.tp_weights, args.layer_split, expert_split, groups=groups)
     config = preflight(model_dir, nodes, layout)
     guard(config, nodes, parallel, args.allow_untested)
     fields = {"parallel": parallel, "tp_weights": args.tp_weights, "layer_split": args.layer_split}
     if expert_split:
         fields["expert_split"] = expert_split
+    if groups:
+        fields["groups"] = tuple(groups)
     job = make_job(nodes, fields, str(model_dir))
     job = job.model_copy(update={"backend": backend})
     return local_instance(job, timeout=timeout), model_dir.name

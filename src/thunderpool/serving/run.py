@@ -50,7 +50,9 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
 
     api_key = args.api_key or api_key_from_env()
     check_exposure(args.host, api_key, args.insecure)
-    backend = resolve_backend(args, args.nodes or 2)
+    # Hybrid: one MLX ring world per group (mpirun starts one world), joined by hand-offs.
+    groups = getattr(args, "groups", None)
+    backend = "ring" if groups else resolve_backend(args, args.nodes or 2)
     if args.cluster:  # config and tokenizer from a member when this machine lacks the model
         from thunderpool.cluster.cli import coordinator
         from thunderpool.cluster.remote_model import model_here_or_remote
@@ -102,7 +104,9 @@ def _local(args, backend: str, model_dir: Path, name: str, max_context: int, tok
 
     nodes, parallel = args.nodes or 2, args.parallel or "tp"
     expert_split = getattr(args, "expert_split", None)
-    preflight(model_dir, nodes, Layout(parallel, args.tp_weights, args.layer_split, expert_split))
+    groups = getattr(args, "groups", None)
+    layout = Layout(parallel, args.tp_weights, args.layer_split, expert_split, groups=groups)
+    preflight(model_dir, nodes, layout)
     job = RankJob(
         model_dir=str(model_dir),
         world_size=nodes,
@@ -110,6 +114,7 @@ def _local(args, backend: str, model_dir: Path, name: str, max_context: int, tok
         tp_weights=args.tp_weights,
         layer_split=args.layer_split,
         expert_split=expert_split,
+        groups=groups,
         prefill_chunk=args.prefill_chunk,
         compile=args.compile,
         task=ServeTask(
