@@ -32,8 +32,10 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def _modes(text: str) -> tuple[str, ...]:
     modes = tuple(m.strip() for m in text.split(","))
-    if not modes or any(m not in ("tp", "pp", "ep") for m in modes):
-        raise argparse.ArgumentTypeError(f"'{text}' must be a comma-separated subset of tp,pp,ep")
+    if not modes or any(m not in ("tp", "pp", "ep", "hybrid") for m in modes):
+        raise argparse.ArgumentTypeError(
+            f"'{text}' must be a comma-separated subset of tp,pp,ep,hybrid"
+        )
     return modes
 
 
@@ -106,8 +108,12 @@ def _add_groups(p: argparse.ArgumentParser) -> None:
 def check_hybrid(args: argparse.Namespace) -> None:
     """--parallel hybrid and --groups go together; --nodes defaults to their sum."""
     groups, parallel = getattr(args, "groups", None), getattr(args, "parallel", None)
+    if hasattr(args, "modes"):  # bench: hybrid is one of --modes
+        parallel = "hybrid" if "hybrid" in args.modes else None
     if groups and parallel != "hybrid":
-        raise ThunderpoolError("--groups sizes the stages of --parallel hybrid; add it")
+        raise ThunderpoolError(
+            "--groups sizes the stages of --parallel hybrid (bench: --modes hybrid); add it"
+        )
     if parallel != "hybrid":
         return
     if getattr(args, "cluster", False):
@@ -119,8 +125,12 @@ def check_hybrid(args: argparse.Namespace) -> None:
         raise ThunderpoolError("--parallel hybrid needs --groups, e.g. --groups 2,2")
     from thunderpool.parallel.handoff import check_groups
 
-    check_groups(groups, getattr(args, "nodes", None))
-    args.nodes = sum(groups)
+    if hasattr(args, "modes"):
+        check_groups(groups)
+        args.nodes = tuple(sorted({*args.nodes, sum(groups)}))  # hybrid runs at sum(groups)
+    else:
+        check_groups(groups, getattr(args, "nodes", None))
+        args.nodes = sum(groups)
     if getattr(args, "draft_model", None):
         raise ThunderpoolError(
             "speculative decoding does not run on --parallel hybrid yet; drop --draft-model "
@@ -312,8 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="ranks per parallel run; a list scales, e.g. 2,3 (default 2)",
     )
     bench.add_argument(
-        "--modes", type=_modes, default=("tp", "pp"), help="parallel modes (default tp,pp)"
+        "--modes",
+        type=_modes,
+        default=("tp", "pp"),
+        help="parallel modes (default tp,pp; hybrid runs at the ranks of --groups)",
     )
+    _add_groups(bench)
     _add_speculation(bench)
     bench.add_argument(
         "--draft-layers",

@@ -263,6 +263,7 @@ def bench(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         tp_weights=args.tp_weights,
         compile=args.compile,
+        groups=getattr(args, "groups", None),
     )
     return 0
 

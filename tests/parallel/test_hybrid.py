@@ -146,3 +146,33 @@ def test_layout_checks_and_description(tiny_models):
 
 def test_verified_hybrid_is_what_this_file_proves():
     assert {k for k, v in VERIFIED.items() if "hybrid" in v} == set(CELLS)
+
+
+@pytest.mark.slow
+def test_a_lost_stage_stops_every_world(tiny_models, tmp_path):
+    """Killing the later stage's rank mid-decode stops the instance (both worlds) with the
+    lost rank named; stage 0's rank, left reading a closed hand-off, raises too."""
+    import os
+    import signal
+
+    from thunderpool.cluster.launch import LocalInstance
+    from thunderpool.engine.job import RankJob, TraceTask
+    from thunderpool.errors import LaunchError
+
+    task = TraceTask(prompts=(tuple(PROMPTS[0]),), max_tokens=5000, out=str(tmp_path / "t.npz"))
+    job = RankJob(
+        model_dir=str(tiny_models["llama"]),
+        world_size=2,
+        parallel="hybrid",
+        groups=(1, 1),
+        task=task,
+    )
+    with LocalInstance(job, timeout=120) as inst, pytest.raises(LaunchError) as err:
+        loaded = 0
+        for ev in inst.events():
+            loaded += ev.event["kind"] == "loaded"
+            if loaded == 2:
+                os.kill(inst.procs[1].pid, signal.SIGKILL)
+                loaded += 1
+    assert "rank 1 was killed by signal 9" in str(err.value)
+    assert all(p.poll() is not None for p in inst.procs)
