@@ -117,10 +117,12 @@ def check_hybrid(args: argparse.Namespace) -> None:
     if parallel != "hybrid":
         return
     if getattr(args, "cluster", False):
-        raise ThunderpoolError(
-            "--parallel hybrid names local groups; with --cluster the planner places hybrid "
-            "plans itself: drop --parallel (or pick a plan with --plan)"
-        )
+        if groups:
+            raise ThunderpoolError(
+                "--groups names local groups; with --cluster the planner forms them from "
+                "the RDMA-joined nodes: drop --groups"
+            )
+        return
     if not groups:
         raise ThunderpoolError("--parallel hybrid needs --groups, e.g. --groups 2,2")
     from thunderpool.parallel.handoff import check_groups

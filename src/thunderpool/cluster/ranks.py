@@ -95,7 +95,8 @@ class RankManager:
             **os.environ,
             **fast_blas_env(),
             **spec.env,
-            "MLX_RANK": str(spec.rank),
+            # A hybrid rank's rank in its stage's world, which its spec's env names.
+            "MLX_RANK": spec.env.get("MLX_RANK", str(spec.rank)),
             **one_core_env(spec.cpu),
             **({LINK_TOKEN_ENV: self.link_token} if self.link_token else {}),
         }
