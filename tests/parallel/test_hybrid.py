@@ -144,6 +144,24 @@ def test_layout_checks_and_description(tiny_models):
         preflight(llama, 2, Layout("hybrid", groups=(2,)))
 
 
+def test_what_hybrid_does_not_run_yet_is_refused_before_a_rank_starts():
+    from thunderpool.cli import main
+    from thunderpool.engine.job import RankJob, TraceTask
+
+    task = TraceTask(prompts=((1, 2),), out="unused.npz")
+    fields = {"model_dir": "m", "world_size": 3, "parallel": "hybrid", "task": task}
+    with pytest.raises(ValueError, match="speculative decoding does not run on hybrid"):
+        RankJob(**fields, groups=(2, 1), draft_model="draft")
+    with pytest.raises(ValueError, match="expert parallelism does not run inside hybrid"):
+        RankJob(**fields, groups=(2, 1), expert_split=(2, 2))
+    with pytest.raises(ValueError, match="must add up to world_size 3"):
+        RankJob(**fields, groups=(1, 1))
+    argv = ["generate", "--parallel", "hybrid", "--groups", "1,1", "--prompt", "x"]
+    assert main([*argv, "--draft-model", "d"]) == 2
+    assert main([*argv, "--backend", "mpi"]) == 2
+    assert main(["generate", "--groups", "1,1", "--prompt", "x"]) == 2
+
+
 def test_verified_hybrid_is_what_this_file_proves():
     assert {k for k, v in VERIFIED.items() if "hybrid" in v} == set(CELLS)
 

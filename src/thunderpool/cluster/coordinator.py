@@ -360,7 +360,8 @@ class ClusterInstance:
             shards = fetch(self.order, seats[0][0])
         self.backend = seats[0][0].backend
         cpus = core_assignment(self.state, self.order)
-        for node in self.nodes:
+
+        def start_on(node: str) -> None:
             specs = tuple(
                 RankSpec(
                     instance_id=self.instance_id,
@@ -381,6 +382,11 @@ class ClusterInstance:
             self.coordinator.client(node, self.state).call(
                 "POST", "/v1/start", StartRanks(ranks=specs)
             )
+
+        # All nodes at once: a node started first must not outwait its lease (LEASE_S without
+        # a poll) while the others spawn their ranks.
+        with ThreadPoolExecutor(len(self.nodes)) as pool:
+            list(pool.map(start_on, self.nodes))
 
     def events(self) -> Iterator[RankEvent]:
         """Every rank's events until all exit 0; LaunchError at the first loss, at once (the

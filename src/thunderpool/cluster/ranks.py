@@ -108,6 +108,7 @@ class RankManager:
         proc = self._spawner.submit(_spawn, argv, env, spec.cpu).result()
         rank = _Rank(spec.rank, proc)
         inst.ranks[spec.rank] = rank
+        inst.polled = time.monotonic()  # the lease runs from the coordinator's last word
         threading.Thread(target=self._pump_out, args=(inst, rank), daemon=True).start()
         threading.Thread(target=self._pump_err, args=(rank,), daemon=True).start()
 

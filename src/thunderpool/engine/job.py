@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from thunderpool.engine.sampling import SamplingParams
 
@@ -76,6 +76,24 @@ class RankJob(_Frozen):
     stage: int = Field(0, ge=0)
     handoff: tuple[str, ...] = ()
     task: Task
+
+    @model_validator(mode="after")
+    def _hybrid_limits(self) -> RankJob:
+        # What hybrid does not run yet is refused here, before any rank starts.
+        if self.parallel == "hybrid":
+            if not self.groups or sum(self.groups) != self.world_size:
+                raise ValueError(
+                    f"hybrid groups {self.groups} must add up to world_size {self.world_size}"
+                )
+            if self.draft_model:
+                raise ValueError(
+                    "speculative decoding does not run on hybrid TP×PP yet; drop --draft-model"
+                )
+            if self.expert_split:
+                raise ValueError("expert parallelism does not run inside hybrid groups yet")
+        elif self.groups:
+            raise ValueError(f"groups {self.groups} are for parallel 'hybrid' only")
+        return self
 
     def mlx_world(self) -> int:
         """The size of this rank's MLX world: all ranks, or its stage's group (hybrid)."""
