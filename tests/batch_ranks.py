@@ -131,6 +131,7 @@ def main(spec_path: str, out_path: str, stage: str = "0") -> None:
     # it traces: counted runs decode eagerly (the graph holds the same collectives).
     layout = Layout(
         spec.get("parallel", "tp"),
+        tp_weights=tuple(spec["tp_weights"]) if spec.get("tp_weights") else None,
         layer_split=split,
         expert_split=experts,
         compile=not spec.get("count"),

@@ -4,7 +4,7 @@ stages joined by our TCP hand-off, against the unsharded model.
 Reference: mlx-lm's own model in this process, full forward of the whole sequence at every
 step. Expected: identical greedy tokens and fp32 logits within 1e-4 (TP2×PP2 on tiny llama,
 qwen3, whose 3 KV heads split 2+1 inside each group, and qwen3_moe); the uneven case (groups
-2,1, layers 3+1, uneven head weights in group 0) under continuous batching with the prefix
+2,1, layers 3+1, TP weights 2:1 in group 0) under continuous batching with the prefix
 cache gets each request's tokens alone on one rank, and the cache's hits. Four ranks share
 two cores here, so the traces are short.
 """
@@ -117,6 +117,7 @@ def test_uneven_hybrid_batched_with_prefix_cache_equals_alone(tiny_models, tmp_p
         "parallel": "hybrid",
         "groups": [2, 1],
         "layer_split": [3, 1],
+        "tp_weights": [2, 1, 1],  # group 0: MLP channels 2:1 (heads stay whole KV groups)
         "prefill_chunk": 16,
         "prefix_cache_tokens": 4096,
         "requests": requests,
