@@ -111,6 +111,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--plan-only", action="store_true", help="print the planner's plans, stop")
     args = p.parse_args()
     if (why := available()) is not None:
         raise SystemExit(f"the testbed is not available: {why}")
@@ -166,6 +167,13 @@ def main() -> int:
                     kind, {"parallel": "hybrid", "groups": (2, 2)}
                 )
                 predicted[name] = None
+        if args.plan_only:
+            for pl in plans:
+                stages = " > ".join(
+                    "+".join(str(order.index(n) + 1) for n in st.nodes) for st in pl.stages
+                )
+                print(f"{pl.kind:7s} {stages:12s} {pl.prediction.decode_tps:8.2f} tok/s predicted")
+            return 0
         measured: dict[str, list[float]] = {name: [] for name in wanted}
         task = BenchTask(prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, repeats=1)
         for r in range(args.rounds):
