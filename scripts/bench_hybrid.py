@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Hybrid TP×PP against flat TP and flat PP on the namespace testbed (root; run under
-flock /tmp/testbed.lock), with `tc tbf` on the links between two islands and none inside.
+flock /tmp/testbed.lock), with `tc` rate limits between two islands and none inside.
 
 Hosts 1+2 and 3+4 are the islands: each host's egress to the other island's addresses goes
 through a token bucket of --rate (an htb class, u32 filter); its traffic inside the
@@ -41,13 +41,13 @@ ISLANDS = ((1, 2), (3, 4))
 
 
 def shape(bed: Testbed, rate: str) -> None:
-    """Each host's traffic to the other island through a tbf of `rate`; none inside."""
+    """Each host's traffic to the other island limited to `rate`; none inside."""
     for island, other in (ISLANDS, ISLANDS[::-1]):
         for i in island:
             dev = bed.host(i).veth
             run = lambda *argv, i=i: _sh(*bed.exec_cmd(i, list(argv)))  # noqa: E731
-            # This kernel has htb and tbf but no prio; an htb class does the limiting (a tbf
-            # leaf under an htb class did not limit the probe's stream here).
+            # This kernel has htb and tbf but no prio: an htb class, picked by a u32 filter on
+            # the destination, does the limiting.
             run(
                 "tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "10"
             )
@@ -107,7 +107,7 @@ def shape(bed: Testbed, rate: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rate", default="20mbit", help="tbf limit between the islands")
+    p.add_argument("--rate", default="20mbit", help="rate limit between the islands")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=16)
