@@ -25,7 +25,7 @@ import mlx.core as mx
 from thunderpool.bench.breakdown import counting_collectives
 from thunderpool.cluster.launch import child_setup, free_ports
 from thunderpool.engine import executor
-from thunderpool.engine.control import Control
+from thunderpool.engine.control import Control, control_for
 from thunderpool.engine.engine import Engine, follow
 from thunderpool.engine.loader import Layout, load_shard, read_config
 from thunderpool.engine.plan import STOP_PLAN, StepPlan
@@ -122,9 +122,13 @@ def run_scenario(runner, control: Control, tokenizer, spec: dict, drafter=None) 
     return result
 
 
-def main(spec_path: str, out_path: str) -> None:
+def main(spec_path: str, out_path: str, stage: str = "0") -> None:
     spec = json.loads(Path(spec_path).read_text())
-    group = mx.distributed.init(backend="ring", strict=True)
+    groups = tuple(spec["groups"]) if spec.get("groups") else None
+    if groups is None or groups[int(stage)] > 1:
+        group = mx.distributed.init(backend="ring", strict=True)
+    else:
+        group = mx.distributed.init()
     model = Path(spec["model"])
     split = tuple(spec["layer_split"]) if spec.get("layer_split") else None
     experts = tuple(spec["expert_split"]) if spec.get("expert_split") else None
@@ -132,13 +136,17 @@ def main(spec_path: str, out_path: str) -> None:
     # it traces: counted runs decode eagerly (the graph holds the same collectives).
     layout = Layout(
         spec.get("parallel", "tp"),
+        tp_weights=tuple(spec["tp_weights"]) if spec.get("tp_weights") else None,
         layer_split=split,
         expert_split=experts,
         compile=not spec.get("count"),
+        groups=groups,
+        stage=int(stage),
+        handoff=tuple(spec.get("handoff", ())),
     )
     runner, config, _ = load_shard(model, group, layout)
-    control = Control(group)
-    if group.rank() != 0:
+    control = control_for(runner)
+    if not runner.is_leader:
         if spec.get("pipeline") is not None:
             executor.overlaps = lambda runner: spec["pipeline"]  # the follower's choice too
         follow(runner, control)
@@ -161,22 +169,35 @@ def main(spec_path: str, out_path: str) -> None:
 
 
 def run_ranks(spec: dict, tmp: Path, timeout: float = 240.0, nodes: int = 2) -> dict:
-    """Runs `spec` on `nodes` ring ranks on loopback; returns rank 0's `run_scenario` result."""
-    spec_file, out_file, hosts = tmp / "spec.json", tmp / "out.json", tmp / "hosts.json"
+    """Runs `spec` on `nodes` ring ranks on loopback; returns rank 0's `run_scenario` result.
+    With spec["groups"] (hybrid), each stage is its own ring world, joined by hand-offs."""
+    groups = spec.get("groups") or [nodes]
+    nodes = sum(groups)
+    spec_file, out_file = tmp / "spec.json", tmp / "out.json"
+    ports = free_ports(2 * nodes)
+    if spec.get("groups"):
+        spec = {**spec, "handoff": [f"127.0.0.1:{p}" for p in ports[nodes:]]}
     spec_file.write_text(json.dumps(spec))
-    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(nodes)]))
+    where = []  # (stage, rank in its world, hostfile) of each global rank
+    for stage, size in enumerate(groups):
+        hosts = tmp / f"hosts-{stage}.json"
+        first = sum(groups[:stage])
+        hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports[first : first + size]]))
+        where += [(stage, r, hosts if size > 1 else None) for r in range(size)]
     procs, logs = [], [tmp / f"rank{r}.log" for r in range(nodes)]
     # A core each where there are enough, as mpirun and pinned cluster ranks run: `pipeline`
     # None then takes the pinned CPU rank's default (batch.overlaps: one step after another).
     cores = sorted(os.sched_getaffinity(0))
     try:
-        for rank in range(nodes):
+        for rank, (stage, mine, hosts) in enumerate(where):
             cpu = cores[rank] if 1 < nodes <= len(cores) else None
-            env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hosts)}
+            env = {**os.environ, "MLX_RANK": str(mine)}
+            if hosts is not None:  # a world of one rank forms no ring
+                env["MLX_HOSTFILE"] = str(hosts)
             with logs[rank].open("w") as log:
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, __file__, str(spec_file), str(out_file)],
+                        [sys.executable, __file__, str(spec_file), str(out_file), str(stage)],
                         env=env,
                         stdin=subprocess.DEVNULL,
                         stdout=log,
@@ -197,4 +218,4 @@ def run_ranks(spec: dict, tmp: Path, timeout: float = 240.0, nodes: int = 2) -> 
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

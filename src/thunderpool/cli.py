@@ -32,8 +32,10 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def _modes(text: str) -> tuple[str, ...]:
     modes = tuple(m.strip() for m in text.split(","))
-    if not modes or any(m not in ("tp", "pp", "ep") for m in modes):
-        raise argparse.ArgumentTypeError(f"'{text}' must be a comma-separated subset of tp,pp,ep")
+    if not modes or any(m not in ("tp", "pp", "ep", "hybrid") for m in modes):
+        raise argparse.ArgumentTypeError(
+            f"'{text}' must be a comma-separated subset of tp,pp,ep,hybrid"
+        )
     return modes
 
 
@@ -60,11 +62,13 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--parallel",
-        choices=("tp", "pp", "ep"),
-        help="tensor parallel (faster), pipeline parallel (fits bigger models) or, for MoE "
-        "models, expert parallel (whole experts per rank, attention as TP); "
+        choices=("tp", "pp", "ep", "hybrid"),
+        help="tensor parallel (faster), pipeline parallel (fits bigger models), for MoE "
+        "models expert parallel (whole experts per rank, attention as TP), or hybrid (TP "
+        "inside each of --groups, PP between them); "
         "default tp locally, the planner's choice with --cluster",
     )
+    _add_groups(p)
     p.add_argument(
         "--cluster",
         action="store_true",
@@ -106,6 +110,55 @@ def add_replication(p: argparse.ArgumentParser) -> None:
         help="routing counts for --replicate-experts and `plan` (default: "
         "thunderpool-routing.json next to the model)",
     )
+
+
+def _add_groups(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--groups",
+        type=_ints,
+        help="hybrid: ranks per pipeline stage, each stage a TP group in its own MLX world, "
+        "e.g. 2,2 (uneven: 2,1; layers per stage with --layer-split, heads per rank with "
+        "--tp-weights over all ranks in order)",
+    )
+
+
+def check_hybrid(args: argparse.Namespace) -> None:
+    """--parallel hybrid and --groups go together; --nodes defaults to their sum."""
+    groups, parallel = getattr(args, "groups", None), getattr(args, "parallel", None)
+    if hasattr(args, "modes"):  # bench: hybrid is one of --modes
+        parallel = "hybrid" if "hybrid" in args.modes else None
+    if groups and parallel != "hybrid":
+        raise ThunderpoolError(
+            "--groups sizes the stages of --parallel hybrid (bench: --modes hybrid); add it"
+        )
+    if parallel != "hybrid":
+        return
+    if getattr(args, "cluster", False):
+        if groups:
+            raise ThunderpoolError(
+                "--groups names local groups; with --cluster the planner forms them from "
+                "the RDMA-joined nodes: drop --groups"
+            )
+        return
+    if not groups:
+        raise ThunderpoolError("--parallel hybrid needs --groups, e.g. --groups 2,2")
+    from thunderpool.parallel.handoff import check_groups
+
+    if hasattr(args, "modes"):
+        check_groups(groups)
+        args.nodes = tuple(sorted({*args.nodes, sum(groups)}))  # hybrid runs at sum(groups)
+    else:
+        check_groups(groups, getattr(args, "nodes", None))
+        args.nodes = sum(groups)
+    if getattr(args, "draft_model", None):
+        raise ThunderpoolError(
+            "speculative decoding does not run on --parallel hybrid yet; drop --draft-model "
+            "or use --parallel tp or pp"
+        )
+    if getattr(args, "backend", None) == "mpi":
+        raise ThunderpoolError(
+            "--parallel hybrid runs each group as its own MLX ring world; use --backend ring"
+        )
 
 
 def add_no_compile(p: argparse.ArgumentParser) -> None:
@@ -298,9 +351,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="ranks per parallel run; a list scales, e.g. 2,3 (default 2)",
     )
     bench.add_argument(
-        "--modes", type=_modes, default=("tp", "pp"), help="parallel modes (default tp,pp)"
+        "--modes",
+        type=_modes,
+        default=("tp", "pp"),
+        help="parallel modes (default tp,pp; hybrid runs at the ranks of --groups)",
     )
     add_replication(bench)
+    _add_groups(bench)
     _add_speculation(bench)
     bench.add_argument(
         "--draft-layers",
@@ -423,6 +480,7 @@ def _main(argv: list[str] | None) -> int:
                 "--expert-split places experts for --parallel ep only; add --parallel ep or "
                 "drop --expert-split"
             )
+        check_hybrid(args)
         match args.command:
             case "generate":
                 from thunderpool.commands import generate

@@ -25,7 +25,9 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
     from thunderpool.models.source import resolve_model
 
     nodes = args.nodes or 2
-    backend = resolve_backend(args, nodes)
+    groups = getattr(args, "groups", None)
+    # Hybrid: one MLX ring world per group (mpirun starts one world), joined by hand-offs.
+    backend = "ring" if groups else resolve_backend(args, nodes)
     if args.cluster:
         from thunderpool.cluster.cli import cluster_instance
 
@@ -34,7 +36,9 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
     model_dir = resolve_model(args.model)
     expert_split = getattr(args, "expert_split", None)
     replicas = replica_fields(args, model_dir, nodes)
-    layout = Layout(parallel, args.tp_weights, args.layer_split, expert_split, **replicas)
+    layout = Layout(
+        parallel, args.tp_weights, args.layer_split, expert_split, groups=groups, **replicas
+    )
     config = preflight(model_dir, nodes, layout)
     guard(config, nodes, parallel, args.allow_untested)
     if getattr(args, "draft_model", None) == "mtp":
@@ -45,6 +49,8 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
     if expert_split:
         fields["expert_split"] = expert_split
     fields.update(replicas)
+    if groups:
+        fields["groups"] = tuple(groups)
     job = make_job(nodes, fields, str(model_dir))
     job = job.model_copy(update={"backend": backend})
     return local_instance(job, timeout=timeout), model_dir.name
@@ -290,6 +296,7 @@ def bench(args: argparse.Namespace) -> int:
         tp_weights=args.tp_weights,
         compile=args.compile,
         expert_replicas=replica_fields(args, model_dir, max(args.nodes)).get("expert_replicas"),
+        groups=getattr(args, "groups", None),
     )
     return 0
 

@@ -35,16 +35,17 @@ def runtime(job: RankJob) -> dict:
     preloaded fast one, or the wheel's slow reference one) and its collective backend."""
     from thunderpool.cluster.blas import in_use
 
-    return {**in_use(), "backend": job.backend if job.world_size > 1 else None}
+    return {**in_use(), "backend": job.backend if job.mlx_world() > 1 else None}
 
 
 def run(job: RankJob) -> None:
-    if job.world_size > 1:
+    world = job.mlx_world()
+    if world > 1:
         group = mx.distributed.init(backend=job.backend, strict=True)
     else:
         group = mx.distributed.init()
-    if group.size() != job.world_size:
-        raise ThunderpoolError(f"MLX formed a group of {group.size()}, expected {job.world_size}")
+    if group.size() != world:
+        raise ThunderpoolError(f"MLX formed a group of {group.size()}, expected {world}")
     emit("runtime", **runtime(job))
     layout = Layout(
         job.parallel,
@@ -55,8 +56,12 @@ def run(job: RankJob) -> None:
         # An MTP draft reads every prefill position's hidden state (engine/mtp.py).
         every_position=job.draft_model == "mtp",
         expert_replicas=job.expert_replicas,
+        groups=job.groups,
+        stage=job.stage,
+        handoff=job.handoff,
     )
-    progress = load_progress(group.rank())
+    # Hybrid: events name the global rank (stage by stage), as the launcher counts them.
+    progress = load_progress(group.rank() + sum((job.groups or ())[: job.stage]))
     match job.task:
         case ServeTask() as task:
             from thunderpool.engine.serve import serve

@@ -14,6 +14,7 @@ from thunderpool.cli import main
 from thunderpool.errors import ShardingError, ThunderpoolError, UnverifiedLayoutError
 from thunderpool.models import families
 from thunderpool.models.families import (
+    HYBRID_LAYOUTS,
     LAYOUTS,
     MOE_LAYOUTS,
     VERIFIED,
@@ -42,7 +43,7 @@ def pinned(monkeypatch):
 def test_table_is_mlx_lm_families_and_known_layouts():
     for name, layouts in VERIFIED.items():  # the real table, not the pinned one
         assert family_of({"model_type": name}).supported, name
-        assert set(layouts) <= set(LAYOUTS + MOE_LAYOUTS), name
+        assert set(layouts) <= set(LAYOUTS + MOE_LAYOUTS + HYBRID_LAYOUTS), name
 
 
 @pytest.mark.parametrize("alias", sorted(mlx_lm.utils.MODEL_REMAPPING))

@@ -134,7 +134,8 @@ def bench_leader(engine: Engine, task: BenchTask, group: mx.distributed.Group, e
         from thunderpool.bench.speculative import bench_spec_leader
 
         return bench_spec_leader(engine, task, emit)
-    model, size = engine.runner.model, group.size()
+    # Hybrid: the ranks of every stage's world (HybridControl.size), not stage 0's alone.
+    model, size = engine.runner.model, engine.control.size
     vocab, hidden = model_dims(model)
     prompt = synthetic_prompt(task.prompt_tokens, vocab)
     run_ours(engine, prompt, min(WARMUP_TOKENS, task.max_tokens))
@@ -148,6 +149,8 @@ def bench_leader(engine: Engine, task: BenchTask, group: mx.distributed.Group, e
         if meter is not None:
             meter.close()
     parallel = "single" if size == 1 else ("pp" if engine.runner.stage is not None else "tp")
+    if getattr(engine.runner.stage, "link", None) is not None:
+        parallel = "hybrid"
     result = {
         "world_size": size,
         "parallel": parallel,
@@ -182,7 +185,8 @@ def step_breakdown(
     the split of a step into compute, collectives and waiting (breakdown.py)."""
     step_ms = 1e3 / statistics.median(r.decode_tps for r in runs)
     by_rank, hidden_ms, control_ms, gather_ms = [], 0.0, 0.0, 0.0
-    if engine.control.size > 1:
+    # Hybrid stages hand off over TCP, which "solo" cannot stand in for: no split measured.
+    if engine.control.size > 1 and parallel != "hybrid":
         by_rank = engine.measure("solo", prompt, steps)
         hidden_ms = engine.measure("probe", (1, 1, hidden), PROBE_REPEATS, "all_sum") * 1e3
         control = (engine.control.min_elements,)

@@ -29,8 +29,10 @@ def bench_parallel(
     tp_weights: tuple[float, ...] | None = None,
     compile: bool = True,
     expert_replicas: tuple[tuple[int, int, int], ...] | None = None,
+    groups: tuple[int, ...] | None = None,
 ) -> dict:
     """Run a BenchTask on `nodes` local ranks; the leader's results plus per-rank memory.
+    Hybrid (`groups`): one ring world per group, `nodes` ranks in all.
 
     `pin` pins each rank to one core (the launcher's default when there are enough cores);
     backend "mpi" starts the ranks under mpirun (cluster/mpi.py) instead of MLX ring.
@@ -46,10 +48,11 @@ def bench_parallel(
         world_size=nodes,
         parallel=parallel,
         task=task,
-        backend="mpi" if backend == "mpi" and nodes > 1 else "ring",
+        backend="mpi" if backend == "mpi" and nodes > 1 and not groups else "ring",
         tp_weights=tp_weights if parallel in ("tp", "ep") and nodes > 1 else None,
         compile=compile,
         expert_replicas=expert_replicas if parallel == "ep" and nodes > 1 else None,
+        groups=groups if parallel == "hybrid" else None,
     )
     from thunderpool.cluster.mpi import local_instance
 
@@ -97,9 +100,10 @@ def run_bench(
     tp_weights: tuple[float, ...] | None = None,
     compile: bool = True,
     expert_replicas: tuple[tuple[int, int, int], ...] | None = None,
+    groups: tuple[int, ...] | None = None,
 ) -> dict:
-    """One rank against mlx-lm, then each mode at each node count; prints tables, writes
-    JSON and plots (to `json_out` and/or `out_dir`)."""
+    """One rank against mlx-lm, then each mode at each node count (hybrid: at the ranks of
+    `groups` only); prints tables, writes JSON and plots (to `json_out` and/or `out_dir`)."""
     from rich.console import Console
 
     from thunderpool.bench.report import print_report, write_plots
@@ -122,6 +126,8 @@ def run_bench(
     parallel: dict[str, dict] = {}
     for n in counts:
         for mode in modes:
+            if mode == "hybrid" and n != sum(groups or ()):
+                continue
             with console.status(f"{mode.upper()}{n}: {n} ranks ({backend})"):
                 try:
                     parallel[f"{mode}{n}"] = bench_parallel(
@@ -134,6 +140,7 @@ def run_bench(
                         tp_weights=tp_weights,
                         compile=compile,
                         expert_replicas=expert_replicas if n == max(counts) else None,
+                        groups=groups,
                     )
                 except ThunderpoolError as e:
                     # One layout that cannot run (e.g. more ranks than layers) should not hide

@@ -238,14 +238,43 @@ def core_assignment(state: ClusterState, order: list[str]) -> dict[int, int]:
 
 
 def plan_layout(plan: Plan) -> dict:
-    """RankJob fields for a plan (hybrid plans run as PP over their nodes for now)."""
+    """RankJob fields for a plan. Hybrid: one TP group per stage, its weights those of its
+    nodes, given for every rank in order (parallel/hybrid.py)."""
     if plan.kind == "tp":
         return {"parallel": "tp", "tp_weights": plan.tp_weights}
     if plan.kind == "ep":  # whole experts per rank, as many as the planner priced
         return {"parallel": "ep", "tp_weights": plan.tp_weights, "expert_split": plan.experts}
-    if plan.kind in ("pp", "hybrid"):
+    if plan.kind == "pp":
         return {"parallel": "pp", "layer_split": plan.layer_split}
+    if plan.kind == "hybrid":
+        return {
+            "parallel": "hybrid",
+            "groups": tuple(len(s.nodes) for s in plan.stages),
+            "layer_split": plan.layer_split,
+            "tp_weights": tuple(w for s in plan.stages for w in s.tp_weights),
+        }
     return {"parallel": "tp"}
+
+
+def handoff_addresses(
+    state: ClusterState, order: list[str], groups: tuple[int, ...], base_port: int
+) -> tuple[str, ...]:
+    """Where each rank of a hybrid plan takes its hand-off: its address on the link from its
+    predecessor's node (the fabric between the groups), else its contact address."""
+    from thunderpool.parallel.handoff import Topology
+
+    stages = [s for s, n in enumerate(groups) for _ in range(n)]
+    firsts = [sum(groups[:s]) for s in stages]
+    out = []
+    for g, node in enumerate(order):
+        prev = order[Topology(groups, stages[g], g - firsts[g]).predecessor()]
+        link = state.link(prev, node) if prev != node else None
+        if link is None:
+            address = state.contacts[node].rsplit(":", 1)[0]
+        else:
+            address = link.a_address if link.a == node else link.b_address
+        out.append(f"{address}:{base_port + g}")
+    return tuple(out)
 
 
 class ClusterInstance:
@@ -279,42 +308,77 @@ class ClusterInstance:
     def __exit__(self, *exc) -> None:
         self.kill()
 
-    def start(self) -> None:
-        n = len(self.order)
+    def _world(self, job: RankJob, order: list[str]) -> list[tuple[RankJob, dict, dict]]:
+        """(job, files, env) of each rank of one MLX world over `order`."""
+        n = len(order)
         port = ring_port_base(n)
-        files, env, job = {}, {}, self.job
-        jaccl = jaccl_config(self.state, self.order, port)
+        files, env = {}, {}
+        jaccl = jaccl_config(self.state, order, port)
         if jaccl is not None:
             # RDMA between every pair: MLX's jaccl backend instead of TCP ring.
             files["MLX_IBV_DEVICES"] = jaccl["MLX_IBV_DEVICES"]
             env["MLX_JACCL_COORDINATOR"] = jaccl["MLX_JACCL_COORDINATOR"]
             job = job.model_copy(update={"backend": "jaccl"})
         elif n > 1:
-            files["MLX_HOSTFILE"] = ring_hostfile(self.state, self.order, port)
-        self.backend = job.backend
+            files["MLX_HOSTFILE"] = ring_hostfile(self.state, order, port)
+        return [(job, files, env)] * n
+
+    def _hybrid(self, fetch) -> tuple[list[tuple[RankJob, dict, dict]], dict[int, str]]:
+        """Each stage its own MLX world (jaccl where its nodes are RDMA-joined), every rank
+        told the hand-off addresses; and the shards of nodes without the model, fetched per
+        stage as that group's TP shards (the whole model's slices: more than the stage needs,
+        but what the weight fabric can cut today)."""
+        job, groups = self.job, tuple(self.job.groups or ())
+        handoff = handoff_addresses(self.state, self.order, groups, ring_port_base(len(self.order)))
+        seats: list[tuple[RankJob, dict, dict]] = []
+        shards: dict[int, str] = {}
+        for s, n in enumerate(groups):
+            first = sum(groups[:s])
+            order = self.order[first : first + n]
+            staged = job.model_copy(update={"stage": s, "handoff": handoff})
+            world = self._world(staged, order)
+            seats += [(j, f, {**e, "MLX_RANK": str(r)}) for r, (j, f, e) in enumerate(world)]
+            weights = (job.tp_weights or ())[first : first + n] or None
+            tp = job.model_copy(update={"parallel": "tp", "groups": None, "tp_weights": weights})
+            shards |= {first + r: d for r, d in fetch(order, tp).items()}
+        return seats, shards
+
+    def start(self) -> None:
+        def fetch(order: list[str], job: RankJob) -> dict[int, str]:
+            # Nodes without the model first fetch their ranks' shards from one that has it.
+            return place_weights(
+                client,
+                self.state,
+                order,
+                job,
+                self.on_fetch,
+            )
+
         client = lambda node: self.coordinator.client(node, self.state)  # noqa: E731
-        check_draft(client, self.state, self.order, job)
-        # Nodes without the model first fetch their ranks' shards from one that has it.
-        shards = place_weights(
-            client,
-            self.state,
-            self.order,
-            job,
-            self.on_fetch,
-        )
+        check_draft(client, self.state, self.order, self.job)
+        n = len(self.order)
+        if self.job.groups:
+            seats, shards = self._hybrid(fetch)
+        else:
+            seats = self._world(self.job, self.order)
+            shards = fetch(self.order, seats[0][0])
+        self.backend = seats[0][0].backend
         cpus = core_assignment(self.state, self.order)
-        for node in self.nodes:
+
+        def start_on(node: str) -> None:
             specs = tuple(
                 RankSpec(
                     instance_id=self.instance_id,
                     rank=r,
                     world_size=n,
                     job=(
-                        job.model_copy(update={"model_dir": shards[r]}) if r in shards else job
+                        seats[r][0].model_copy(update={"model_dir": shards[r]})
+                        if r in shards
+                        else seats[r][0]
                     ).model_dump_json(),
-                    files=files,
+                    files=seats[r][1],
                     cpu=cpus.get(r),
-                    env=env | {"THUNDERPOOL_NODE": node},
+                    env=seats[r][2] | {"THUNDERPOOL_NODE": node},
                 )
                 for r, owner in enumerate(self.order)
                 if owner == node
@@ -322,6 +386,11 @@ class ClusterInstance:
             self.coordinator.client(node, self.state).call(
                 "POST", "/v1/start", StartRanks(ranks=specs)
             )
+
+        # All nodes at once: a node started first must not outwait its lease (LEASE_S without
+        # a poll) while the others spawn their ranks.
+        with ThreadPoolExecutor(len(self.nodes)) as pool:
+            list(pool.map(start_on, self.nodes))
 
     def events(self) -> Iterator[RankEvent]:
         """Every rank's events until all exit 0; LaunchError at the first loss, at once (the

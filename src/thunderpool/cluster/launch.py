@@ -190,19 +190,16 @@ class LocalInstance(Launcher):
         self.cpus = _cpus()
 
     def start(self) -> None:
-        n, tmp = self.job.world_size, Path(self.tmp.name)
-        job_file = tmp / "job.json"
-        job_file.write_text(self.job.model_dump_json())
+        tmp = Path(self.tmp.name)
         env = {**os.environ, **fast_blas_env(), **self.env}
-        if n > 1:
-            hostfile = tmp / "hosts.json"
-            hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
-            env["MLX_HOSTFILE"] = str(hostfile)
-        for rank in range(n):
+        for rank, (job, world_env) in enumerate(self._worlds(tmp)):
+            job_file = tmp / f"job-{job.stage}.json"
+            if not job_file.exists():
+                job_file.write_text(job.model_dump_json())
             cpu = self.cpus[rank % len(self.cpus)] if self.pin else None
             proc = subprocess.Popen(
                 [sys.executable, "-m", "thunderpool.rank", str(job_file)],
-                env={**env, "MLX_RANK": str(rank), **one_core_env(cpu)},
+                env={**env, **world_env, **one_core_env(cpu)},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -213,6 +210,28 @@ class LocalInstance(Launcher):
             self.procs.append(proc)
             for stream, name in ((proc.stdout, "out"), (proc.stderr, "err")):
                 threading.Thread(target=self._pump, args=(rank, name, stream), daemon=True).start()
+
+    def _worlds(self, tmp: Path) -> Iterator[tuple[RankJob, dict[str, str]]]:
+        """Each rank's job and MLX environment, in global rank order: one ring world of all
+        ranks, or (hybrid) one per stage with its own hostfile, joined by hand-off ports."""
+        job = self.job
+        groups = job.groups or (job.world_size,)
+        ports = free_ports(job.world_size + (job.world_size if job.groups else 0))
+        handoff = tuple(f"127.0.0.1:{p}" for p in ports[job.world_size :])
+        for stage, size in enumerate(groups):
+            env: dict[str, str] = {}
+            first = sum(groups[:stage])
+            if size > 1:
+                hostfile = tmp / f"hosts-{stage}.json"
+                ring = [[f"127.0.0.1:{p}"] for p in ports[first : first + size]]
+                hostfile.write_text(json.dumps(ring))
+                env["MLX_HOSTFILE"] = str(hostfile)
+            if job.groups:
+                staged = job.model_copy(update={"stage": stage, "handoff": handoff})
+            else:
+                staged = job
+            for rank in range(size):
+                yield staged, {**env, "MLX_RANK": str(rank)}
 
     def _pump(self, rank: int, name: str, stream) -> None:
         for line in stream:

@@ -98,7 +98,8 @@ class RankManager:
             **os.environ,
             **fast_blas_env(),
             **spec.env,
-            "MLX_RANK": str(spec.rank),
+            # A hybrid rank's rank in its stage's world, which its spec's env names.
+            "MLX_RANK": spec.env.get("MLX_RANK", str(spec.rank)),
             **one_core_env(spec.cpu),
             **({LINK_TOKEN_ENV: self.link_token} if self.link_token else {}),
         }
@@ -110,6 +111,7 @@ class RankManager:
         proc = self._spawner.submit(_spawn, argv, env, spec.cpu).result()
         rank = _Rank(spec.rank, proc)
         inst.ranks[spec.rank] = rank
+        inst.polled = time.monotonic()  # the lease runs from the coordinator's last word
         threading.Thread(target=self._pump_out, args=(inst, rank), daemon=True).start()
         threading.Thread(target=self._pump_err, args=(rank,), daemon=True).start()
 

@@ -90,3 +90,69 @@ class Control:
         padded = np.pad(data, (0, max(0, self.min_elements - data.size)))
         out = mx.distributed.all_sum(mx.array(padded), group=self.group, stream=mx.cpu)
         return np.array(out)[: data.size]
+
+
+class HybridControl:
+    """Control across the MLX worlds of hybrid TP×PP (parallel/hybrid.py).
+
+    Stage 0's world shares the leader's plans and burst tokens through its Control as always;
+    every rank then forwards them, in the order the leader emitted them, to its successors in
+    the next stage over the hand-off link, where they arrive before that stage's hidden
+    states. So every rank of every world runs the same plans, and issues the same collectives
+    in the same order within its world. Burst exchanges are evaluated at once (eager steps).
+    """
+
+    def __init__(self, world: Control, link):
+        self.world, self.link, self.topo = world, link, link.topo
+        self.group = world.group
+        self.rank, self.size = self.topo.me, sum(self.topo.groups)  # rank 0 leads
+        # What Waker parks: stage 0's world, which would wait in a busy-polling collective;
+        # later stages wait in a socket read already, so they park alone (a no-op).
+        self.parks = world if self.topo.stage == 0 else _Alone()
+
+    @property
+    def collectives(self) -> int:
+        return self.world.collectives
+
+    def send(self, data: bytes) -> None:
+        self.world.send(data)
+        self._forward(np.frombuffer(data, np.uint8))
+
+    def receive(self) -> bytes:
+        if self.topo.stage == 0:
+            data = self.world.receive()
+        else:
+            data = bytes(np.array(self.link.recv(timeout=None)))  # idle: as long as it takes
+        self._forward(np.frombuffer(data, np.uint8))
+        return data
+
+    def burst_step(self, tokens: mx.array | None, rows: int, last: bool = False) -> mx.array:
+        if self.topo.stage == 0:
+            out = self.world.burst_step(tokens, rows, last)
+            mx.eval(out)
+        else:
+            out = self.link.recv()
+        self._forward(out)
+        return out
+
+    def share_ints(self, values: list[int] | None, n: int) -> list[int]:
+        from thunderpool.errors import ThunderpoolError
+
+        raise ThunderpoolError(
+            "speculative decoding does not run on hybrid TP×PP yet; drop --draft-model"
+        )
+
+    def _forward(self, x) -> None:
+        if not self.topo.last:
+            self.link.send(x)
+
+
+class _Alone:
+    size, rank = 1, 0
+
+
+def control_for(runner) -> Control | HybridControl:
+    """The control of this rank's runner: plain, or across worlds for a hybrid stage."""
+    control = Control(runner.group)
+    link = getattr(runner.stage, "link", None)
+    return control if link is None else HybridControl(control, link)

@@ -65,7 +65,8 @@ class Executor:
         self.leads = control.rank == 0
         self.state = BatchState(runner)
         self.pipeline = overlaps(runner) if pipeline is None else pipeline
-        self.waker = Waker(control)
+        # Hybrid TP×PP parks stage 0's world only (control.HybridControl.parks).
+        self.waker = Waker(getattr(control, "parks", control))
         self.samplers: dict[int, Sampler] = {}  # leader: each request's sampler
         # Leader: makes a request's sampler (the engine binds its tokenizer's grammars).
         self.make_sampler: Callable[[SamplingParams], Sampler] = Sampler

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from thunderpool.engine.sampling import SamplingParams
 
@@ -62,7 +62,7 @@ class RankJob(_Frozen):
     model_dir: str
     world_size: int = Field(1, ge=1)
     backend: Literal["ring", "jaccl", "mpi"] = "ring"
-    parallel: Literal["tp", "pp", "ep"] = "tp"
+    parallel: Literal["tp", "pp", "ep", "hybrid"] = "tp"
     tp_weights: tuple[float, ...] | None = None
     layer_split: tuple[int, ...] | None = None
     expert_split: tuple[int, ...] | None = None  # EP: routed experts per rank
@@ -72,4 +72,31 @@ class RankJob(_Frozen):
     compile: bool = True  # compiled decode steps where proven equal (engine/compiled.py)
     draft_model: str | None = None  # the leader's draft for speculative decoding (a model dir)
     spec_k: int = Field(4, ge=1, le=64)  # draft tokens per verify step
+    # Hybrid TP×PP: ranks per stage (each stage its own MLX world of that size); the launcher
+    # sets each rank's `stage` and every rank's hand-off address (host:port, global order).
+    groups: tuple[int, ...] | None = None
+    stage: int = Field(0, ge=0)
+    handoff: tuple[str, ...] = ()
     task: Task
+
+    @model_validator(mode="after")
+    def _hybrid_limits(self) -> RankJob:
+        # What hybrid does not run yet is refused here, before any rank starts.
+        if self.parallel == "hybrid":
+            if not self.groups or sum(self.groups) != self.world_size:
+                raise ValueError(
+                    f"hybrid groups {self.groups} must add up to world_size {self.world_size}"
+                )
+            if self.draft_model:
+                raise ValueError(
+                    "speculative decoding does not run on hybrid TP×PP yet; drop --draft-model"
+                )
+            if self.expert_split:
+                raise ValueError("expert parallelism does not run inside hybrid groups yet")
+        elif self.groups:
+            raise ValueError(f"groups {self.groups} are for parallel 'hybrid' only")
+        return self
+
+    def mlx_world(self) -> int:
+        """The size of this rank's MLX world: all ranks, or its stage's group (hybrid)."""
+        return self.groups[self.stage] if self.groups else self.world_size

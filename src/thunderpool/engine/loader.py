@@ -41,6 +41,11 @@ class Layout:
     # the last one's (an MTP draft reads them all: engine/mtp.py).
     every_position: bool = False
     expert_replicas: tuple[tuple[int, int, int], ...] | None = None  # EP: (layer, expert, rank)
+    # Hybrid TP×PP (parallel/hybrid.py): ranks per stage, this rank's stage, and every rank's
+    # hand-off address (host:port, global rank order).
+    groups: tuple[int, ...] | None = None
+    stage: int = 0
+    handoff: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +241,12 @@ def load_shard(
     unloaded = unloaded_modules(model, model_dir)
     n_layers = len(model.layers)
     bounds, stage, method, share = (0, n_layers), None, "single", None
-    if group.size() > 1 and layout.parallel == "pp":
+    if layout.parallel == "hybrid":
+        from thunderpool.parallel import hybrid
+
+        stage = hybrid.load_stage(model, group, layout, StoredRows.of(model_dir).rows)
+        bounds, method = stage.bounds[stage.rank], "hybrid"
+    elif group.size() > 1 and layout.parallel == "pp":
         split = split_layers(n_layers, group.size(), list(layout.layer_split or []) or None)
         stage = PipelineStage(model, group, split)
         bounds, method = split[group.rank()], "pp"
@@ -270,7 +280,7 @@ def load_shard(
         raise ModelError(f"cannot read the weights in {model_dir}: {e}") from e
     param_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     stats = LoadStats(
-        rank=group.rank(),
+        rank=stage.topo.me if method == "hybrid" else group.rank(),  # hybrid: the global rank
         param_bytes=param_bytes,
         peak_rss_bytes=peak_rss_bytes(),
         seconds=time.perf_counter() - start,
@@ -289,7 +299,11 @@ def load_shard(
 def preflight(model_dir: Path, world_size: int, layout: Layout) -> dict:
     """Check in seconds, before any rank starts, that this layout can be built for the model."""
     model, config = build_lazy(model_dir)
-    if world_size > 1 and layout.parallel == "pp":
+    if layout.parallel == "hybrid":
+        from thunderpool.parallel import hybrid
+
+        hybrid.check(model, layout.groups or (), layout.tp_weights, layout.layer_split)
+    elif world_size > 1 and layout.parallel == "pp":
         split_layers(len(model.layers), world_size, list(layout.layer_split or []) or None)
     elif world_size > 1 and layout.parallel == "ep":
         counts = list(layout.expert_split or []) or None
@@ -308,6 +322,10 @@ def describe_layout(config: dict, layout: Layout, world: int) -> dict:
             "parallel": "single",
             "ranks": [{"rank": 0, "layers": [0, n_layers], "heads": None}],
         }
+    if layout.parallel == "hybrid":
+        from thunderpool.parallel.hybrid import describe
+
+        return describe(config, layout)
     if layout.parallel == "pp":
         bounds = split_layers(n_layers, world, list(layout.layer_split or []) or None)
         ranks = [{"rank": r, "layers": list(b), "heads": None} for r, b in enumerate(bounds)]

@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from thunderpool.engine.control import Control
+from thunderpool.engine.control import control_for
 from thunderpool.engine.engine import Engine, follow
 from thunderpool.engine.job import GenerateTask, RankJob, TraceTask
 from thunderpool.engine.loader import Layout, load_shard, peak_rss_bytes
@@ -33,7 +33,7 @@ def run(
     """Load this rank's shard, then lead (generate, trace, or `lead` for other tasks) or follow."""
     runner, config, stats = load_shard(Path(job.model_dir), group, layout, progress)
     emit("loaded", **stats.as_event())
-    control = Control(group)
+    control = control_for(runner)
     if not runner.is_leader:
         follow(runner, control)
     else:

@@ -24,13 +24,15 @@ class Runner:
     ):
         self.model, self.group, self.stage = model, group, stage
         self.rank, self.size = group.rank(), group.size()
-        self.is_leader = self.rank == 0
+        # Hybrid: rank 0 of a later stage's world is no leader (stage.leads says who is).
+        self.is_leader = self.rank == 0 if stage is None else stage.leads
         # Leader with an MTP draft (engine/mtp.py): keep each forward's final hidden states.
         self.keep_hidden = False
         self.hidden: mx.array | None = None  # (B, L, D) of the last forward, when kept
         self.every_position = False  # PP, every rank alike: prefill hands over all positions
-        # TP ranks each project onto their part of the vocabulary, then all_gather the logits.
-        self.every_rank_projects = stage is None and has_split_head(model)
+        # TP ranks each project onto their part of the vocabulary, then all_gather the logits
+        # (hybrid: stage 0's group, the only one that holds the head).
+        self.every_rank_projects = has_split_head(model) and (stage is None or stage.rank == 0)
         # Decode steps replay one compiled graph where that is proven equal (engine/compiled.py).
         self.compiled = None
         if compile and compiled.supports(model):

@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from thunderpool.config import link_token_from_env
-from thunderpool.engine.control import Control
+from thunderpool.engine.control import control_for
 from thunderpool.engine.engine import Engine, follow
 from thunderpool.engine.job import RankJob, ServeTask
 from thunderpool.engine.loader import Layout, load_shard, peak_rss_bytes
@@ -42,14 +42,14 @@ def serve(
     progress: Callable[[float], None],
 ) -> None:
     token = link_token_from_env()
-    if group.rank() == 0 and not token:
+    if group.rank() == 0 and job.stage == 0 and not token:  # hybrid: stage 0 leads
         raise LaunchError("no engine-link token in the environment; start ranks with `serve`")
     runner, config, stats = load_shard(Path(job.model_dir), group, layout, progress)
     emit("loaded", **stats.as_event())
     report_memory(emit)
     memory = gather(group, [stats.param_bytes, peak_rss_bytes()])
-    control = Control(group)
-    if group.rank() != 0:
+    control = control_for(runner)
+    if not runner.is_leader:
         follow(runner, control)
         return
     from mlx_lm.utils import load_tokenizer

@@ -15,12 +15,12 @@ from thunderpool.errors import UnverifiedLayoutError
 
 # Every entry must be backed by tests/parallel matrix cases (sharded == unsharded model).
 # tests/parallel/test_family_matrix.py checks this table against its cells ("ep": against
-# tests/parallel/test_expert_parallel.py's).
+# tests/parallel/test_expert_parallel.py's; "hybrid": against tests/parallel/test_hybrid.py's).
 VERIFIED: dict[str, tuple[str, ...]] = {
-    "llama": ("tp", "pp"),
+    "llama": ("tp", "pp", "hybrid"),
     "qwen2": ("tp", "pp"),
-    "qwen3": ("tp", "pp"),
-    "qwen3_moe": ("tp", "pp", "ep"),
+    "qwen3": ("tp", "pp", "hybrid"),
+    "qwen3_moe": ("tp", "pp", "ep", "hybrid"),
     "gemma3_text": ("tp", "pp"),
     # TP in equal shares only (MLA): tensor.check refuses the rest; EP's attention likewise.
     "deepseek_v3": ("tp", "pp", "ep"),
@@ -33,8 +33,11 @@ VERIFIED: dict[str, tuple[str, ...]] = {
     "qwen3_next": ("pp",),  # linear-attention layers: TP refused
 }
 
-LAYOUTS = ("tp", "pp")  # what --parallel launches; a planner "hybrid" plan needs its own entry
+LAYOUTS = ("tp", "pp")  # what --parallel launches
 MOE_LAYOUTS = ("ep",)  # --parallel ep: MoE models only, so `describe` offers it only when verified
+# --parallel hybrid and the planner's hybrid plans (TP groups joined as PP stages): offered,
+# like ep, only where verified.
+HYBRID_LAYOUTS = ("hybrid",)
 
 
 @dataclass(frozen=True, slots=True)

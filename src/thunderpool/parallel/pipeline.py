@@ -91,8 +91,13 @@ class PipelineStage:
     """Cuts `model` to this rank's stage and runs the stage's part of a forward."""
 
     def __init__(
-        self, model: nn.Module, group: mx.distributed.Group, bounds: list[tuple[int, int]]
+        self,
+        model: nn.Module,
+        group: mx.distributed.Group,
+        bounds: list[tuple[int, int]],
+        stage: int | None = None,
     ):
+        """`stage`: this rank's stage when it is not its rank in `group` (hybrid)."""
         inner = getattr(model, "model", None)
         missing = [n for n in ("layers", "embed_tokens", "norm") if not hasattr(inner, n)]
         if inner is None or missing:
@@ -101,7 +106,10 @@ class PipelineStage:
                 "parallelism needs an mlx-lm model with a layers list; use --parallel tp"
             )
         self.model, self.inner, self.group = model, inner, group
-        self.rank, self.size = group.rank(), group.size()
+        # The stage index and count (PP: the rank and the world; hybrid: its group's stage).
+        self.rank = group.rank() if stage is None else stage
+        self.size = len(bounds)
+        self.leads = self.rank == 0  # holds the embedding and head; hybrid: see HybridStage
         self.bounds = bounds
         self.start, self.end = bounds[self.rank]
         layers = inner.layers

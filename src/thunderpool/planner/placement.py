@@ -2,7 +2,8 @@
 
 Pure functions. Candidates are every single node, TP over every fully linked subset (and, for
 a MoE model, EP over it: planner/ep.py), PP over node orderings, and hybrids (TP inside
-RDMA-joined groups, PP between them). A plan is kept
+RDMA-joined groups, or without RDMA inside islands of links ISLAND_RATIO times faster than
+the slowest, PP between them). A plan is kept
 only if every node's weights + KV cache + activations + OS reserve fit its available memory.
 A plan whose layout is not verified for the model's family carries the reason (`unverified`).
 """
@@ -261,6 +262,8 @@ def _candidates(spec, nodes, links, needs):
             if stages is not None:
                 yield "pp", stages
     groups = _rdma_groups(names, links)
+    if not any(len(g) > 1 for g in groups):
+        groups = _islands(names, links)
     if len(groups) > 1 and any(len(g) > 1 for g in groups):
         for order in itertools.permutations(groups):
             stages = _fit_layers(spec, list(order), by_name, needs)
@@ -311,9 +314,24 @@ def _linked(links: list[LinkSpec], group: tuple[str, ...]) -> bool:
     return all(link_between(links, a, b) for a, b in itertools.combinations(group, 2))
 
 
-def _rdma_groups(names: list[str], links: list[LinkSpec]) -> list[tuple[str, ...]]:
-    """Connected components of the RDMA graph; a component that is not a full mesh is split."""
-    rdma = [x for x in links if x.kind == "rdma"]
+# Without RDMA, links this many times faster than the slowest join an island (TP inside it):
+# e.g. 10 GbE pairs joined by 1 GbE, or a Mac pair over Thunderbolt beside a Linux box.
+ISLAND_RATIO = 4.0
+
+
+def _islands(names: list[str], links: list[LinkSpec]) -> list[tuple[str, ...]]:
+    """Groups of nodes joined by links far faster than the slowest one (none: one class)."""
+    slowest = min((x.bandwidth_Bps for x in links), default=0.0)
+    fast = [x for x in links if slowest > 0 and x.bandwidth_Bps >= ISLAND_RATIO * slowest]
+    return _rdma_groups(names, fast, kinds=None)
+
+
+def _rdma_groups(
+    names: list[str], links: list[LinkSpec], kinds: tuple[str, ...] | None = ("rdma",)
+) -> list[tuple[str, ...]]:
+    """Connected components of the RDMA graph (of `links` of any kind, with kinds None); a
+    component that is not a full mesh is split."""
+    rdma = [x for x in links if kinds is None or x.kind in kinds]
     groups, seen = [], set()
     for n in names:
         if n in seen:

@@ -50,7 +50,9 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
 
     api_key = args.api_key or api_key_from_env()
     check_exposure(args.host, api_key, args.insecure)
-    backend = resolve_backend(args, args.nodes or 2)
+    # Hybrid: one MLX ring world per group (mpirun starts one world), joined by hand-offs.
+    groups = getattr(args, "groups", None)
+    backend = "ring" if groups else resolve_backend(args, args.nodes or 2)
     if args.cluster:  # config and tokenizer from a member when this machine lacks the model
         from thunderpool.cluster.cli import coordinator
         from thunderpool.cluster.remote_model import model_here_or_remote
@@ -103,7 +105,10 @@ def _local(args, backend: str, model_dir: Path, name: str, max_context: int, tok
     nodes, parallel = args.nodes or 2, args.parallel or "tp"
     expert_split = getattr(args, "expert_split", None)
     replicas = replica_fields(args, model_dir, nodes)
-    layout = Layout(parallel, args.tp_weights, args.layer_split, expert_split, **replicas)
+    groups = getattr(args, "groups", None)
+    layout = Layout(
+        parallel, args.tp_weights, args.layer_split, expert_split, groups=groups, **replicas
+    )
     preflight(model_dir, nodes, layout)
     job = RankJob(
         model_dir=str(model_dir),
@@ -113,6 +118,7 @@ def _local(args, backend: str, model_dir: Path, name: str, max_context: int, tok
         layer_split=args.layer_split,
         expert_split=expert_split,
         **replicas,
+        groups=groups,
         prefill_chunk=args.prefill_chunk,
         compile=args.compile,
         task=ServeTask(

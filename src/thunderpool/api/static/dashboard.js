@@ -194,7 +194,10 @@ function renderPlacement(placement, nodes) {
     .sort((a, b) => (a.rank ?? 0) - (b.rank ?? 0));
   const parallel = (placement && placement.parallel) || "";
   box.dataset.parallel = parallel;
-  byId("parallel-mode").textContent = parallel ? parallel.toUpperCase() : "";
+  // Hybrid: TP groups per pipeline stage, e.g. "HYBRID 2+2".
+  const groups = Array.isArray(placement && placement.groups) ? placement.groups : null;
+  byId("parallel-mode").textContent = parallel
+    ? parallel.toUpperCase() + (groups ? ` ${groups.join("+")}` : "") : "";
   if (!ranks.length) {
     box.replaceChildren(el("p", { class: "muted" }, "no placement yet"));
     return;
@@ -213,6 +216,7 @@ function renderPlacement(placement, nodes) {
       el("div", { class: "plabel" },
         el("span", { class: "swatch" }),
         `rank ${r.rank ?? "?"}`,
+        isNum(r.stage) ? el("span", { class: "muted" }, ` · stage ${r.stage}`) : null,
         el("span", { class: "muted" }, nodeOf[r.rank] ? ` · ${nodeOf[r.rank]}` : "")),
       el("div", { class: "ptracks" },
         rangeTrack("layers", r.layers, nLayers, color, span(r.layers, "layer")),
