@@ -11,196 +11,21 @@ import sys
 from pathlib import Path
 
 from thunderpool import __version__
+from thunderpool.cli_flags import (
+    add_allow_untested,
+    add_backend,
+    add_groups,
+    add_layout,
+    add_no_compile,
+    add_replication,
+    add_speculation,
+    check_hybrid,
+    parse_floats,
+    parse_ints,
+    parse_modes,
+    parse_positive,
+)
 from thunderpool.errors import ThunderpoolError
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        msg = f"'{text}' is not a comma-separated list of integers"
-        raise argparse.ArgumentTypeError(msg) from None
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(","))
-    except ValueError:
-        msg = f"'{text}' is not a comma-separated list of numbers"
-        raise argparse.ArgumentTypeError(msg) from None
-
-
-def _modes(text: str) -> tuple[str, ...]:
-    modes = tuple(m.strip() for m in text.split(","))
-    if not modes or any(m not in ("tp", "pp", "ep", "hybrid") for m in modes):
-        raise argparse.ArgumentTypeError(
-            f"'{text}' must be a comma-separated subset of tp,pp,ep,hybrid"
-        )
-    return modes
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"'{text}' must be a whole number >= 1")
-    return value
-
-
-def _add_layout(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        help="MLX/HF model dir, .gguf file or Hugging Face repo id "
-        "(default: the embedded SmolLM2-135M-Instruct)",
-    )
-    p.add_argument(
-        "--nodes",
-        type=_positive,
-        help="number of ranks (default 2 locally; with --cluster, the planner's)",
-    )
-    p.add_argument(
-        "--parallel",
-        choices=("tp", "pp", "ep", "hybrid"),
-        help="tensor parallel (faster), pipeline parallel (fits bigger models), for MoE "
-        "models expert parallel (whole experts per rank, attention as TP), or hybrid (TP "
-        "inside each of --groups, PP between them); "
-        "default tp locally, the planner's choice with --cluster",
-    )
-    _add_groups(p)
-    p.add_argument(
-        "--cluster",
-        action="store_true",
-        help="run on the cluster's nodes (see `thunderpool node`) as planned",
-    )
-    from thunderpool.cluster.cli import add_cluster_args
-
-    add_cluster_args(p)
-    p.add_argument("--layer-split", type=_ints, help="PP: per-rank layer weights, e.g. 20,10")
-    p.add_argument("--tp-weights", type=_floats, help="TP: per-rank head shares, e.g. 2,1")
-    p.add_argument(
-        "--expert-split",
-        type=_ints,
-        help="EP: routed experts per rank, e.g. 96,160 (default: in proportion to --tp-weights)",
-    )
-    add_replication(p)
-    _add_backend(p)
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=600.0,
-        help="seconds of silence from the ranks before all are stopped (default 600)",
-    )
-    add_allow_untested(p)
-    add_no_compile(p)
-
-
-def add_replication(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--replicate-experts",
-        type=_positive,
-        metavar="N",
-        help="EP: copy each MoE layer's N most routed experts onto the least loaded other "
-        "rank (tokens split between the copies); needs routing counts (`route-counts`)",
-    )
-    p.add_argument(
-        "--routing",
-        metavar="FILE",
-        help="routing counts for --replicate-experts and `plan` (default: "
-        "thunderpool-routing.json next to the model)",
-    )
-
-
-def _add_groups(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--groups",
-        type=_ints,
-        help="hybrid: ranks per pipeline stage, each stage a TP group in its own MLX world, "
-        "e.g. 2,2 (uneven: 2,1; layers per stage with --layer-split, heads per rank with "
-        "--tp-weights over all ranks in order)",
-    )
-
-
-def check_hybrid(args: argparse.Namespace) -> None:
-    """--parallel hybrid and --groups go together; --nodes defaults to their sum."""
-    groups, parallel = getattr(args, "groups", None), getattr(args, "parallel", None)
-    if hasattr(args, "modes"):  # bench: hybrid is one of --modes
-        parallel = "hybrid" if "hybrid" in args.modes else None
-    if groups and parallel != "hybrid":
-        raise ThunderpoolError(
-            "--groups sizes the stages of --parallel hybrid (bench: --modes hybrid); add it"
-        )
-    if parallel != "hybrid":
-        return
-    if getattr(args, "cluster", False):
-        if groups:
-            raise ThunderpoolError(
-                "--groups names local groups; with --cluster the planner forms them from "
-                "the RDMA-joined nodes: drop --groups"
-            )
-        return
-    if not groups:
-        raise ThunderpoolError("--parallel hybrid needs --groups, e.g. --groups 2,2")
-    from thunderpool.parallel.handoff import check_groups
-
-    if hasattr(args, "modes"):
-        check_groups(groups)
-        args.nodes = tuple(sorted({*args.nodes, sum(groups)}))  # hybrid runs at sum(groups)
-    else:
-        check_groups(groups, getattr(args, "nodes", None))
-        args.nodes = sum(groups)
-    if getattr(args, "draft_model", None):
-        raise ThunderpoolError(
-            "speculative decoding does not run on --parallel hybrid yet; drop --draft-model "
-            "or use --parallel tp or pp"
-        )
-    if getattr(args, "backend", None) == "mpi":
-        raise ThunderpoolError(
-            "--parallel hybrid runs each group as its own MLX ring world; use --backend ring"
-        )
-
-
-def add_no_compile(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--no-compile",
-        dest="compile",
-        action="store_false",
-        help="decode op by op, without the compiled step (on by default where it is proven "
-        "equal: llama, qwen2, qwen3, qwen3_moe; not PP)",
-    )
-
-
-def add_allow_untested(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--allow-untested",
-        action="store_true",
-        help="run a sharded layout not yet verified against the unsharded model for this "
-        "model family (a loud warning; the output may be wrong)",
-    )
-
-
-def _add_speculation(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--draft-model",
-        help="speculative decoding: a small model of the same tokenizer that drafts tokens on "
-        "the leader for the model to verify (dir, .gguf or hub id; lone requests only), or "
-        "`mtp`: the model's own multi-token-prediction layer (DeepSeek V3, GLM-4.5)",
-    )
-    p.add_argument(
-        "--spec-k", type=_positive, default=4, help="draft tokens per verify step (default 4)"
-    )
-
-
-def _add_backend(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--backend",
-        choices=("auto", "ring", "mpi"),
-        default="auto",
-        help="collectives between local ranks: MPI shared memory under Open MPI's mpirun "
-        "(faster on one host) or MLX ring over loopback; auto (default) takes mpi when "
-        "Open MPI is installed, else ring (--cluster picks per link)",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,10 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="start local ranks, load the model sharded, stream "
         "an answer, print TTFT, tok/s and peak memory per rank",
     )
-    _add_layout(gen)
-    _add_speculation(gen)
+    add_layout(gen)
+    add_speculation(gen)
     gen.add_argument("--prompt", required=True, help="the user message")
-    gen.add_argument("--max-tokens", type=_positive, default=256)
+    gen.add_argument("--max-tokens", type=parse_positive, default=256)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -229,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument(
         "--prefill-chunk",
-        type=_positive,
+        type=parse_positive,
         default=512,
         help="prompt tokens per prefill step (default 512)",
     )
@@ -239,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve an OpenAI-compatible API and a dashboard backed "
         "by N local ranks (continuous batching)",
     )
-    _add_layout(srv)
+    add_layout(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     srv.add_argument(
@@ -259,20 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(repeatable; '*' allows any; default: none)",
     )
     srv.add_argument(
-        "--max-batch", type=_positive, default=8, help="requests decoded together (default 8)"
+        "--max-batch", type=parse_positive, default=8, help="requests decoded together (default 8)"
     )
     srv.add_argument(
         "--max-context",
-        type=_positive,
+        type=parse_positive,
         help="prompt + completion tokens per request (default: the model's limit)",
     )
-    srv.add_argument("--prefill-chunk", type=_positive, default=512)
+    srv.add_argument("--prefill-chunk", type=parse_positive, default=512)
     srv.add_argument(
         "--log-prompts",
         action="store_true",
         help="add each prompt's text to its access-log line (off: prompts stay private)",
     )
-    _add_speculation(srv)
+    add_speculation(srv)
     srv.add_argument(
         "--prefix-cache-gb",
         type=float,
@@ -346,36 +171,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--nodes",
-        type=_ints,
+        type=parse_ints,
         default=(2,),
         help="ranks per parallel run; a list scales, e.g. 2,3 (default 2)",
     )
     bench.add_argument(
         "--modes",
-        type=_modes,
+        type=parse_modes,
         default=("tp", "pp"),
         help="parallel modes (default tp,pp; hybrid runs at the ranks of --groups)",
     )
     add_replication(bench)
-    _add_groups(bench)
-    _add_speculation(bench)
+    add_groups(bench)
+    add_speculation(bench)
     bench.add_argument(
         "--draft-layers",
-        type=_positive,
+        type=parse_positive,
         help="instead of --draft-model, a draft cut from the model's first N layers "
         "(written to the cache once; for --synthetic models)",
     )
-    bench.add_argument("--prompt-tokens", type=_positive, help="(default 128)")
-    bench.add_argument("--max-tokens", type=_positive, default=64)
-    bench.add_argument("--repeats", type=_positive, default=3)
+    bench.add_argument("--prompt-tokens", type=parse_positive, help="(default 128)")
+    bench.add_argument("--max-tokens", type=parse_positive, default=64)
+    bench.add_argument("--repeats", type=parse_positive, default=3)
     bench.add_argument(
         "--pin",
         action="store_true",
         help="fair scaling: every rank and a 1-rank baseline each pinned to one core",
     )
-    _add_backend(bench)
+    add_backend(bench)
     bench.add_argument(
-        "--tp-weights", type=_floats, help="TP: per-rank head and channel shares, e.g. 1,2"
+        "--tp-weights", type=parse_floats, help="TP: per-rank head and channel shares, e.g. 1,2"
     )
     bench.add_argument("--json", type=Path, help="write all results as JSON here (plots beside)")
     bench.add_argument(
@@ -389,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--concurrency",
-        type=_ints,
+        type=parse_ints,
         help="also measure continuous batching at these stream counts, e.g. 1,4,8",
     )
     bench.add_argument(
@@ -400,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--prefix-cache-turns",
-        type=_positive,
+        type=parse_positive,
         metavar="N",
         help="instead, measure the prefix cache on one rank: a two-turn chat's turn-2 TTFT "
         "against turn 1 (turn 1: --prompt-tokens, default 1500 here) and an N-turn agent "

@@ -106,7 +106,7 @@ def add_plan_parser(sub) -> None:
         help="MoE: measured routing counts (`thunderpool route-counts`) for EP plans' imbalance",
     )
     add_cluster_args(p)
-    from thunderpool.cli import add_allow_untested
+    from thunderpool.cli_flags import add_allow_untested
 
     add_allow_untested(p)
 
