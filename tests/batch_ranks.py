@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from thunderpool.bench.breakdown import counting_collectives
-from thunderpool.cluster.launch import child_setup, free_ports
+from thunderpool.cluster.launch import child_setup, free_ports, one_core_env
 from thunderpool.engine import executor
 from thunderpool.engine.control import Control
 from thunderpool.engine.engine import Engine, follow
@@ -117,9 +117,9 @@ def run_scenario(runner, control: Control, tokenizer, spec: dict) -> dict:
     return {"out": out, "events": events, "per_token": per_token, "left": left}
 
 
-def main(spec_path: str, out_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    group = mx.distributed.init(backend="ring", strict=True)
+def run_batch(spec: dict, group) -> dict | None:
+    """Loads the spec's model on this rank of `group`; the leader runs the scenario and returns
+    its result, the others follow it and return None."""
     model = Path(spec["model"])
     split = tuple(spec["layer_split"]) if spec.get("layer_split") else None
     experts = tuple(spec["expert_split"]) if spec.get("expert_split") else None
@@ -137,21 +137,31 @@ def main(spec_path: str, out_path: str) -> None:
         if spec.get("pipeline") is not None:
             executor.overlaps = lambda runner: spec["pipeline"]  # the follower's choice too
         follow(runner, control)
-        return
+        return None
     tokenizer = None
     if spec.get("tokenizer"):
         from mlx_lm.utils import load_tokenizer
 
         tokenizer = load_tokenizer(model, eos_token_ids=read_config(model).get("eos_token_id"))
     try:
-        result = run_scenario(runner, control, tokenizer, spec)
+        return run_scenario(runner, control, tokenizer, spec)
     finally:
         control.send(STOP_PLAN.encode())
-    Path(out_path).write_text(json.dumps(result))
 
 
-def run_ranks(spec: dict, tmp: Path, timeout: float = 240.0, nodes: int = 2) -> dict:
-    """Runs `spec` on `nodes` ring ranks on loopback; returns rank 0's `run_scenario` result."""
+def main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    group = mx.distributed.init(backend="ring", strict=True)
+    result = run_batch(spec, group)
+    if result is not None:
+        Path(out_path).write_text(json.dumps(result))
+
+
+def run_ranks(
+    spec: dict, tmp: Path, timeout: float = 240.0, nodes: int = 2, script: str = __file__, env=None
+) -> dict:
+    """Runs `spec` on `nodes` ring ranks on loopback; returns rank 0's `run_scenario` result
+    (or what `script`, another `SCRIPT SPEC.json OUT.json` rank program, wrote)."""
     spec_file, out_file, hosts = tmp / "spec.json", tmp / "out.json", tmp / "hosts.json"
     spec_file.write_text(json.dumps(spec))
     hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(nodes)]))
@@ -162,12 +172,14 @@ def run_ranks(spec: dict, tmp: Path, timeout: float = 240.0, nodes: int = 2) -> 
     try:
         for rank in range(nodes):
             cpu = cores[rank] if 1 < nodes <= len(cores) else None
-            env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hosts)}
+            env_r = {**os.environ, **(env or {}), "MLX_RANK": str(rank)}
+            if nodes > 1:  # one rank forms its group alone
+                env_r["MLX_HOSTFILE"] = str(hosts)
             with logs[rank].open("w") as log:
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, __file__, str(spec_file), str(out_file)],
-                        env=env,
+                        [sys.executable, script, str(spec_file), str(out_file)],
+                        env={**env_r, **one_core_env(cpu)},
                         stdin=subprocess.DEVNULL,
                         stdout=log,
                         stderr=subprocess.STDOUT,
