@@ -1,13 +1,17 @@
-"""What the OpenAI API tests over the fake engine share: the request they send, and readers
-of SSE bodies and error bodies."""
+"""What the OpenAI API tests over the fake engine share: its `engine` and `client` fixtures
+(imported by their function names, so a test's `engine` argument shadows no import), the
+request they send, and readers of SSE bodies and error bodies."""
 
 from __future__ import annotations
 
 import json
 
 import httpx
-from fake_engine import MODEL, chat_text
+import pytest
+from fake_engine import MODEL, FakeEngine, chat_text
 from fastapi.testclient import TestClient
+
+from thunderpool.api import create_app
 
 KEY = "sk-test-key"
 HI = [{"role": "user", "content": "Hi"}]
@@ -15,6 +19,16 @@ HI_TOKENS = len(chat_text(("user", "Hi")))  # 19: one token per character
 NOT_CACHED = {"prompt_tokens_details": {"cached_tokens": 0}}  # the fake engine has no cache
 USAGE = {"prompt_tokens": HI_TOKENS, "completion_tokens": 2, "total_tokens": HI_TOKENS + 2}
 USAGE |= NOT_CACHED
+
+
+@pytest.fixture(name="engine")
+def fixture_engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture(name="client")
+def fixture_client(engine) -> TestClient:
+    return TestClient(create_app(engine))
 
 
 def chat(client: TestClient, **body) -> httpx.Response:

@@ -4,22 +4,10 @@
 from __future__ import annotations
 
 import pytest
-from fake_engine import MODEL, FakeEngine, chat_text
-from fastapi.testclient import TestClient
-from openai_wire import HI_TOKENS, NOT_CACHED, USAGE, chat, chunks
+from fake_engine import MODEL, chat_text
+from openai_wire import HI_TOKENS, NOT_CACHED, USAGE, chat, chunks, fixture_client, fixture_engine  # noqa: F401 (fixtures)
 
-from thunderpool.api import create_app
 from thunderpool.engine.sampling import SamplingParams
-
-
-@pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
-
-
-@pytest.fixture
-def client(engine) -> TestClient:
-    return TestClient(create_app(engine))
 
 
 def test_chat_non_streamed(client, engine):

@@ -8,20 +8,10 @@ import json
 import pytest
 from fake_engine import MODEL, FakeEngine
 from fastapi.testclient import TestClient
-from openai_wire import HI, USAGE, chat, error, sse, status_body
+from openai_wire import HI, USAGE, chat, error, fixture_client, fixture_engine, sse, status_body  # noqa: F401 (fixtures)
 
 from thunderpool.api import create_app
 from thunderpool.engine.service import EngineStatus
-
-
-@pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
-
-
-@pytest.fixture
-def client(engine) -> TestClient:
-    return TestClient(create_app(engine))
 
 
 def test_malformed_json_is_400(client):

@@ -33,8 +33,8 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def server():
     args = ["--nodes", "2", "--parallel", "tp", "--max-context", "1024", "--cors-origin", ORIGIN]
-    with serving(*args) as url:
-        yield url
+    with serving(*args) as served:
+        yield served.url
 
 
 def chat(url: str, question: str, stream: bool = False, max_tokens: int = 16) -> str:

@@ -14,20 +14,21 @@ import uvicorn
 from fake_engine import CLUSTER, MODEL, FakeEngine
 from fastapi.testclient import TestClient
 from openai import OpenAI
-from openai_wire import HI, HI_TOKENS, KEY, NOT_CACHED, USAGE, chat, error, status_body
+from openai_wire import (  # noqa: F401 (fixtures)
+    HI,
+    HI_TOKENS,
+    KEY,
+    NOT_CACHED,
+    USAGE,
+    chat,
+    error,
+    fixture_client,
+    fixture_engine,
+    status_body,
+)
 
 from thunderpool.api import create_app
 from thunderpool.engine.service import EngineStatus
-
-
-@pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
-
-
-@pytest.fixture
-def client(engine) -> TestClient:
-    return TestClient(create_app(engine))
 
 
 def test_models(client):

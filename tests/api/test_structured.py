@@ -134,8 +134,8 @@ TOOLS = [
 @pytest.fixture(scope="module")
 def server():
     """`thunderpool serve` of the embedded model on one rank (its rank gets the fast BLAS)."""
-    with serving("--nodes", "1", "--max-context", "1024") as url:
-        yield url
+    with serving("--nodes", "1", "--max-context", "1024") as served:
+        yield served.url
 
 
 @pytest.fixture(scope="module")
