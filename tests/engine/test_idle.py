@@ -36,21 +36,27 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def reference_text(model: Path, prompt: str = PROMPT) -> str:
-    """Greedy tokens of the unsharded mlx-lm model (full forward each step), as text through
-    the streaming detokenizer the server's text edge uses (it drops a first leading space)."""
+@pytest.fixture(scope="module")
+def expected(tiny_chat) -> dict[str, str]:
+    """Each prompt's greedy tokens on the unsharded mlx-lm model (full forward each step), as
+    text through the streaming detokenizer the server's text edge uses (it drops a first
+    leading space)."""
+    model = tiny_chat
     tokenizer = load_tokenizer(model, eos_token_ids=read_config(model).get("eos_token_id"))
     ref, _ = load_model(model)
-    seq, detok = tokenizer.encode(prompt), tokenizer.detokenizer
-    detok.reset()
-    for _ in range(MAX_TOKENS):
-        token = int(mx.argmax(ref(mx.array([seq]))[0, -1]).item())
-        if token in tokenizer.eos_token_ids:
-            break
-        detok.add_token(token)
-        seq.append(token)
-    detok.finalize()
-    return detok.text
+    texts = {}
+    for prompt in [PROMPT, *MORE]:
+        seq, detok = tokenizer.encode(prompt), tokenizer.detokenizer
+        detok.reset()
+        for _ in range(MAX_TOKENS):
+            token = int(mx.argmax(ref(mx.array([seq]))[0, -1]).item())
+            if token in tokenizer.eos_token_ids:
+                break
+            detok.add_token(token)
+            seq.append(token)
+        detok.finalize()
+        texts[prompt] = detok.text
+    return texts
 
 
 @pytest.fixture(scope="module", params=["ring", "mpi"])
@@ -77,10 +83,9 @@ def wake_seconds(url: str) -> float:
 
 
 @pytest.mark.slow
-def test_idle_ranks_sleep_and_the_first_answer_after_matches(server, tiny_chat):
+def test_idle_ranks_sleep_and_the_first_answer_after_matches(server, expected):
     url, proc, _ = server
-    expected = reference_text(tiny_chat)
-    assert complete(url) == expected  # the ranks have run, then park
+    assert complete(url) == expected[PROMPT]  # the ranks have run, then park
     ranks = sorted(workers_under(proc.pid, deep=True))
     assert len(ranks) == 2
     time.sleep(1.0)
@@ -92,15 +97,15 @@ def test_idle_ranks_sleep_and_the_first_answer_after_matches(server, tiny_chat):
     print(f"idle CPU per rank over {took:.1f} s: " + ", ".join(f"{s:.2%}" for s in share))
     assert max(share) <= 0.10, share
     # The first request after the idle window wakes the followers and answers exactly.
-    assert complete(url) == expected
+    assert complete(url) == expected[PROMPT]
     print(f"wake-up to the next plan: {wake_seconds(url) * 1e3:.2f} ms")
 
 
 @pytest.mark.slow
-def test_other_prompts_match_and_ctrl_c_stops_every_rank(server, tiny_chat):
+def test_other_prompts_match_and_ctrl_c_stops_every_rank(server, expected):
     url, proc, backend = server
     for prompt in MORE:
-        assert complete(url, prompt) == reference_text(tiny_chat, prompt), prompt
+        assert complete(url, prompt) == expected[prompt], prompt
     # Ring's ranks are serve's own children; MPI's are mpirun's.
     ranks = workers_under(proc.pid, deep=backend == "mpi")
     assert len(ranks) == 2
