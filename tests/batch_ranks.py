@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from thunderpool.bench.breakdown import counting_collectives
-from thunderpool.cluster.launch import child_setup, free_ports
+from thunderpool.cluster.launch import child_setup, free_ports, one_core_env
 from thunderpool.engine import executor
 from thunderpool.engine.control import Control, control_for
 from thunderpool.engine.engine import Engine, follow
@@ -122,13 +122,10 @@ def run_scenario(runner, control: Control, tokenizer, spec: dict, drafter=None) 
     return result
 
 
-def main(spec_path: str, out_path: str, stage: str = "0") -> None:
-    spec = json.loads(Path(spec_path).read_text())
+def run_batch(spec: dict, group, stage: int = 0) -> dict | None:
+    """Loads the spec's model on this rank of `group` (hybrid: of stage `stage`'s world); the
+    leader runs the scenario and returns its result, the others follow it and return None."""
     groups = tuple(spec["groups"]) if spec.get("groups") else None
-    if groups is None or groups[int(stage)] > 1:
-        group = mx.distributed.init(backend="ring", strict=True)
-    else:
-        group = mx.distributed.init()
     model = Path(spec["model"])
     split = tuple(spec["layer_split"]) if spec.get("layer_split") else None
     experts = tuple(spec["expert_split"]) if spec.get("expert_split") else None
@@ -141,7 +138,7 @@ def main(spec_path: str, out_path: str, stage: str = "0") -> None:
         expert_split=experts,
         compile=not spec.get("count"),
         groups=groups,
-        stage=int(stage),
+        stage=stage,
         handoff=tuple(spec.get("handoff", ())),
     )
     runner, config, _ = load_shard(model, group, layout)
@@ -150,7 +147,7 @@ def main(spec_path: str, out_path: str, stage: str = "0") -> None:
         if spec.get("pipeline") is not None:
             executor.overlaps = lambda runner: spec["pipeline"]  # the follower's choice too
         follow(runner, control)
-        return
+        return None
     tokenizer = None
     if spec.get("tokenizer"):
         from mlx_lm.utils import load_tokenizer
@@ -162,15 +159,29 @@ def main(spec_path: str, out_path: str, stage: str = "0") -> None:
 
         drafter = load_drafter(Path(spec["draft"]), model, spec.get("spec_k", 4))
     try:
-        result = run_scenario(runner, control, tokenizer, spec, drafter)
+        return run_scenario(runner, control, tokenizer, spec, drafter)
     finally:
         control.send(STOP_PLAN.encode())
-    Path(out_path).write_text(json.dumps(result))
 
 
-def run_ranks(spec: dict, tmp: Path, timeout: float = 240.0, nodes: int = 2) -> dict:
-    """Runs `spec` on `nodes` ring ranks on loopback; returns rank 0's `run_scenario` result.
-    With spec["groups"] (hybrid), each stage is its own ring world, joined by hand-offs."""
+def main(spec_path: str, out_path: str, stage: str = "0") -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    groups = tuple(spec["groups"]) if spec.get("groups") else None
+    if groups is None or groups[int(stage)] > 1:
+        group = mx.distributed.init(backend="ring", strict=True)
+    else:
+        group = mx.distributed.init()
+    result = run_batch(spec, group, int(stage))
+    if result is not None:
+        Path(out_path).write_text(json.dumps(result))
+
+
+def run_ranks(
+    spec: dict, tmp: Path, timeout: float = 240.0, nodes: int = 2, script: str = __file__, env=None
+) -> dict:
+    """Runs `spec` on `nodes` ring ranks on loopback; returns rank 0's `run_scenario` result
+    (or what `script`, another `SCRIPT SPEC.json OUT.json` rank program, wrote). With
+    spec["groups"] (hybrid), each stage is its own ring world, joined by hand-offs."""
     groups = spec.get("groups") or [nodes]
     nodes = sum(groups)
     spec_file, out_file = tmp / "spec.json", tmp / "out.json"
@@ -191,14 +202,16 @@ def run_ranks(spec: dict, tmp: Path, timeout: float = 240.0, nodes: int = 2) -> 
     try:
         for rank, (stage, mine, hosts) in enumerate(where):
             cpu = cores[rank] if 1 < nodes <= len(cores) else None
-            env = {**os.environ, "MLX_RANK": str(mine)}
+            env_r = {**os.environ, **(env or {}), "MLX_RANK": str(mine)}
             if hosts is not None:  # a world of one rank forms no ring
-                env["MLX_HOSTFILE"] = str(hosts)
+                env_r["MLX_HOSTFILE"] = str(hosts)
+            # A hybrid rank is told its stage; other rank programs take the spec and out only.
+            args = [str(stage)] if spec.get("groups") else []
             with logs[rank].open("w") as log:
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, __file__, str(spec_file), str(out_file), str(stage)],
-                        env=env,
+                        [sys.executable, script, str(spec_file), str(out_file), *args],
+                        env={**env_r, **one_core_env(cpu)},
                         stdin=subprocess.DEVNULL,
                         stdout=log,
                         stderr=subprocess.STDOUT,

@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+from serving import serving
 
 pytestmark = pytest.mark.reference
 MODEL = "SmolLM2-135M-Instruct-f32"
@@ -34,54 +30,11 @@ QUESTIONS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "thunderpool",
-        "serve",
-        "--nodes",
-        "2",
-        "--parallel",
-        "tp",
-        "--port",
-        str(port),
-        "--max-context",
-        "1024",
-        "--cors-origin",
-        ORIGIN,
-    ]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "server did not become ready"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    args = ["--nodes", "2", "--parallel", "tp", "--max-context", "1024", "--cors-origin", ORIGIN]
+    with serving(*args) as served:
+        yield served.url
 
 
 def chat(url: str, question: str, stream: bool = False, max_tokens: int = 16) -> str:

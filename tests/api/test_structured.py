@@ -8,11 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import jsonschema
@@ -20,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from local_engine import LocalEngine
-from test_serve import free_port
+from serving import serving
 
 from thunderpool.api.routes import create_app
 
@@ -139,42 +134,8 @@ TOOLS = [
 @pytest.fixture(scope="module")
 def server():
     """`thunderpool serve` of the embedded model on one rank (its rank gets the fast BLAS)."""
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "thunderpool",
-        "serve",
-        "--nodes",
-        "1",
-        "--port",
-        str(port),
-        "--max-context",
-        "1024",
-    ]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "server did not become ready"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    with serving("--nodes", "1", "--max-context", "1024") as served:
+        yield served.url
 
 
 @pytest.fixture(scope="module")

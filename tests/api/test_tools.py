@@ -15,6 +15,8 @@ from tool_engine import WEATHER_TOOL, ToolEngine, qwen_tokenizer_dir
 
 from thunderpool.api import create_app
 from thunderpool.api.errors import APIError
+from thunderpool.api.schemas import ChatRequest
+from thunderpool.api.structured import forced_tools
 from thunderpool.api.tools import Call, Text, ToolSplitter, call_schema, forced_call
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -57,10 +59,17 @@ def test_two_calls_and_a_truncated_or_broken_one():
     assert split(["<tool_call>not json</tool_call>"]) == [Text("<tool_call>not json</tool_call>")]
 
 
+def forced(tools: list, choice) -> dict:
+    request = ChatRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice=choice
+    )
+    return call_schema(forced_tools(request))
+
+
 def test_call_schema_accepts_the_forced_call_only():
     other = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
     tools = [WEATHER_TOOL, other]
-    named = call_schema(tools, "get_weather")
+    named = forced(tools, {"type": "function", "function": {"name": "get_weather"}})
     jsonschema.validate({"name": "get_weather", "arguments": {"city": "Paris"}}, named)
     for bad in (
         {"name": "now", "arguments": {}},
@@ -70,19 +79,21 @@ def test_call_schema_accepts_the_forced_call_only():
     ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, named)
-    anyone = call_schema(tools, "required")
+    anyone = forced(tools, "required")
     jsonschema.validate({"name": "now", "arguments": {}}, anyone)
     jsonschema.validate({"name": "get_weather", "arguments": {"city": "Oslo"}}, anyone)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "later", "arguments": {}}, anyone)
-    assert call_schema([WEATHER_TOOL]) == named  # one tool: no anyOf
-    # What constrained decoding would emit for it reads back as the call.
-    call = forced_call('{"name": "get_weather", "arguments": {"city": "Paris"}}')
+    assert forced([WEATHER_TOOL], "required") == named  # one tool: no anyOf
+    # What constrained decoding would emit for it reads back as the call; cut short, as None.
+    text = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    call = forced_call(text)
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
-    with pytest.raises(APIError, match="not among the tools"):
-        call_schema(tools, "later")
-    with pytest.raises(APIError, match="at least one tool"):
-        call_schema([], "required")
+    assert forced_call(text[:-3]) is None
+    with pytest.raises(APIError, match="not in tools"):
+        forced(tools, {"type": "function", "function": {"name": "later"}})
+    with pytest.raises(APIError, match="needs a non-empty 'tools'"):
+        forced([], "required")
 
 
 @pytest.fixture(scope="module")

@@ -39,21 +39,23 @@ def test_a_library_that_cannot_load_fails_the_self_test(tmp_path):
     assert not passes_self_test(blas_env(str(bogus)))
 
 
+PROMPTS = tiny_prompts(2) + [list(range(200))]  # a long prompt: a real GEMM in prefill
+
+
+@pytest.fixture(scope="module")
+def bundled(tiny_models, tmp_path_factory) -> dict:
+    """The reference every library compares with: TP2 ranks on the wheel's own BLAS."""
+    out = tmp_path_factory.mktemp("bundled") / "r.npz"
+    env = {"LD_PRELOAD": "", "OPENBLAS_CORETYPE": ""}
+    return run_trace(tiny_models["qwen3"], out, 2, "tp", prompts=PROMPTS, env=env)
+
+
 @pytest.mark.parametrize("library", installed() or [pytest.param("", marks=pytest.mark.skip)])
-def test_each_fast_blas_matches_the_bundled_one(library, tiny_models, tmp_path):
+def test_each_fast_blas_matches_the_bundled_one(library, tiny_models, tmp_path, bundled):
     """Every library ranks may preload gives the bundled BLAS's logits and tokens."""
     env = blas_env(library)
     if not passes_self_test(env):
         pytest.skip(f"{library} does not pass the self-test here")
-    prompts = tiny_prompts(2) + [list(range(200))]  # a long prompt: a real GEMM in prefill
-    fast = run_trace(tiny_models["qwen3"], tmp_path / "f.npz", 2, "tp", prompts=prompts, env=env)
-    ref = run_trace(
-        tiny_models["qwen3"],
-        tmp_path / "r.npz",
-        2,
-        "tp",
-        prompts=prompts,
-        env={"LD_PRELOAD": "", "OPENBLAS_CORETYPE": ""},
-    )
-    np.testing.assert_array_equal(fast["tokens"], ref["tokens"])
-    np.testing.assert_allclose(fast["logits"], ref["logits"], atol=1e-4, rtol=1e-4)
+    fast = run_trace(tiny_models["qwen3"], tmp_path / "f.npz", 2, "tp", prompts=PROMPTS, env=env)
+    np.testing.assert_array_equal(fast["tokens"], bundled["tokens"])
+    np.testing.assert_allclose(fast["logits"], bundled["logits"], atol=1e-4, rtol=1e-4)

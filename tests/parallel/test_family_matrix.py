@@ -9,6 +9,10 @@ qwen3_next, whose cached recurrence differs from the full form on one rank alrea
 and leaving) on PP2 and expects the same tokens. Transformers, on the same weights, checks
 mlx-lm's port of each family. Layouts a family cannot take must be refused with a clear
 message (Family.refuses), never run.
+
+Every cell's job runs through the production one-shot path (oneshot.run), but the cells of one
+world size share one launch of their ranks (matrix_ranks.py), which load one cell's shard after
+another: starting ranks cost more than most cells' decoding.
 """
 
 from __future__ import annotations
@@ -16,9 +20,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from batch_ranks import run_ranks
-from conftest import run_trace
 from families import FAMILIES, family_prompts, make_family, transformers_dir
+from matrix_ranks import run_matrix, trace_job, trace_result
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
@@ -30,6 +33,9 @@ STEPS = 20  # greedy tokens per prompt; the batch cell's rows join at tokens 3 a
 HF_TOL = 2e-4  # transformers (torch fp32) against mlx-lm (mlx fp32): measured <= 3e-5
 PROMPTS = family_prompts()
 LAYOUTS = {"tp2": ("tp", 2), "tp3": ("tp", 3), "pp2": ("pp", 2), "pp3": ("pp", 3)}
+# The first cell of a world size waits for the launch that runs all of them.
+LAUNCH_S = 1200
+NODES = {"one": 1, "tp2": 2, "pp2": 2, "batch": 2, "tp3": 3, "pp3": 3}
 # mlx-lm's own shard() where the split is even and the family has one, our slicing otherwise.
 TP_METHOD = {
     ("llama", 2): "mlx-lm",
@@ -95,6 +101,41 @@ def references(family_dirs):
     return Built(lambda kind: greedy_full_forward(family_dirs[kind], PROMPTS))
 
 
+def cell_job(kind: str, layout: str, model_dir, out) -> dict:
+    """What one cell runs: the batch scenario, or a trace of the prompts on its layout."""
+    if layout == "batch":
+        return {"batch": batch_spec(model_dir, FAMILIES[kind].pp2)}
+    parallel, nodes = LAYOUTS.get(layout, ("tp", 1))
+    split = {"pp2": FAMILIES[kind].pp2, "pp3": FAMILIES[kind].pp3}.get(layout)
+    fields = {"parallel": parallel, "layer_split": split, "prefill_chunk": 128}
+    return trace_job(model_dir, out, nodes, PROMPTS, STEPS, **fields)
+
+
+@pytest.fixture(scope="module")
+def launches(family_dirs, tmp_path_factory):
+    """Every cell of a world size in one launch: ({cell id: each rank's events}, the folder
+    of the traces)."""
+
+    def launch(nodes: int):
+        tmp = tmp_path_factory.mktemp(f"ranks{nodes}")
+        jobs = [
+            {"id": cell, **cell_job(kind, layout, family_dirs[kind], tmp / f"{cell}.npz")}
+            for kind, family in FAMILIES.items()
+            for layout, n in NODES.items()
+            if n == nodes and layout not in family.refuses
+            for cell in [f"{kind}-{layout}"]
+        ]
+        return run_matrix(jobs, tmp / "run", nodes, timeout=LAUNCH_S), tmp
+
+    return Built(launch)
+
+
+def cell_trace(launches, kind: str, layout: str) -> dict:
+    events, tmp = launches[NODES[layout]]
+    cell = f"{kind}-{layout}"
+    return trace_result(events[cell], tmp / f"{cell}.npz")
+
+
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_reference_is_not_degenerate(kind, references):
     # Equality of tokens proves little if the model just repeats one token.
@@ -120,24 +161,19 @@ def test_mlx_matches_transformers(kind, family_dirs, references):
         np.testing.assert_allclose(got, want, atol=HF_TOL, rtol=HF_TOL)
 
 
+@pytest.mark.timeout(LAUNCH_S)
 @pytest.mark.parametrize("kind", FAMILIES)
-def test_single_rank_engine_matches_full_forward(kind, family_dirs, references, tmp_path):
-    got = run_trace(
-        family_dirs[kind],
-        tmp_path / "t.npz",
-        1,
-        prompts=PROMPTS,
-        max_tokens=STEPS,
-        prefill_chunk=128,
-    )
+def test_single_rank_engine_matches_full_forward(kind, references, launches):
+    got = cell_trace(launches, kind, "one")
     tokens, logits, _ = references[kind]
     tol = FAMILIES[kind].tol
     np.testing.assert_array_equal(got["tokens"], tokens)
     np.testing.assert_allclose(got["logits"], logits, atol=tol, rtol=tol)
 
 
+@pytest.mark.timeout(LAUNCH_S)
 @pytest.mark.parametrize("kind,layout", CELLS, ids=[f"{k}-{lay}" for k, lay in CELLS])
-def test_sharded_matches_unsharded(kind, layout, family_dirs, references, tmp_path):
+def test_sharded_matches_unsharded(kind, layout, family_dirs, references, launches):
     family = FAMILIES[kind]
     tokens, logits, total_bytes = references[kind]
     if layout in family.refuses:
@@ -146,28 +182,18 @@ def test_sharded_matches_unsharded(kind, layout, family_dirs, references, tmp_pa
             preflight(family_dirs[kind], nodes, Layout(parallel))
         return
     if layout == "batch":
-        got = run_ranks(batch_spec(family_dirs[kind], family.pp2), tmp_path, nodes=len(family.pp2))
+        events, _ = launches[NODES[layout]]
+        got = events[f"{kind}-batch"][0][0]["result"]
         assert [o["tokens"] for o in got["out"]] == [*tokens.tolist(), tokens[0].tolist()]
         assert got["left"] == [[], True, 0]  # every row left the batch
         return
     parallel, nodes = LAYOUTS[layout]
     split = {"pp2": family.pp2, "pp3": family.pp3}.get(layout)
     n_layers = family.config["num_hidden_layers"]
-    got = run_trace(
-        family_dirs[kind],
-        tmp_path / "t.npz",
-        nodes,
-        parallel,
-        prompts=PROMPTS,
-        max_tokens=STEPS,
-        prefill_chunk=128,
-        layer_split=split,
-    )
+    got = cell_trace(launches, kind, layout)
     np.testing.assert_array_equal(got["tokens"], tokens)
     np.testing.assert_allclose(got["logits"], logits, atol=family.tol, rtol=family.tol)
-    loaded = sorted(
-        (e.event for e in got["events"] if e.event["kind"] == "loaded"), key=lambda e: e["rank"]
-    )
+    loaded = got["loaded"]
     held = [e["param_bytes"] for e in loaded]
     want = "pp" if parallel == "pp" else TP_METHOD[kind, nodes]
     assert {e["method"] for e in loaded} == {want}

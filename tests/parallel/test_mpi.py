@@ -95,18 +95,24 @@ def trace_job(model_dir, out, nodes=2, parallel="tp") -> RankJob:
     )
 
 
+@pytest.fixture(scope="module")
+def one_rank(tiny_models, tmp_path_factory) -> dict:
+    """The reference both layouts compare with: one rank (the tiny prompts, 12 tokens)."""
+    out = tmp_path_factory.mktemp("one") / "one.npz"
+    return run_trace(tiny_models["qwen3"], out, nodes=1, max_tokens=12)
+
+
 @needs_mpi
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["tp", "pp"])
-def test_mpi_ranks_match_one_rank(tiny_models, tmp_path, parallel):
-    one = run_trace(tiny_models["qwen3"], tmp_path / "one.npz", nodes=1, max_tokens=12)
+def test_mpi_ranks_match_one_rank(tiny_models, tmp_path, parallel, one_rank):
     with MpiInstance(trace_job(tiny_models["qwen3"], tmp_path / "mpi.npz", 2, parallel)) as inst:
         events = list(inst.events())
         sid = inst.proc.pid
     assert sorted(e.rank for e in events if e.event["kind"] == "loaded") == [0, 1]
     got = np.load(tmp_path / "mpi.npz")
-    np.testing.assert_array_equal(got["tokens"], one["tokens"])
-    np.testing.assert_allclose(got["logits"], one["logits"], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(got["tokens"], one_rank["tokens"])
+    np.testing.assert_allclose(got["logits"], one_rank["logits"], rtol=1e-4, atol=1e-4)
     assert session_pids(sid) == []
 
 

@@ -6,7 +6,7 @@ be at most total / N + 5%, total being the single-rank load's count. Holding the
 whole (the layout before this test) put a TP2 rank at 125% of total (tied: the whole
 embedding plus a copy of its rows for the head) and 71% (untied). The sharded runs must also
 decode the single rank's greedy tokens, with logits within 1e-4, on prompts whose ids fall in
-every rank's rows.
+every rank's rows. The cells of one world size share one launch (matrix_ranks.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import BASE, run_trace
+from conftest import BASE
+from matrix_ranks import run_traces
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes
 
@@ -73,30 +74,28 @@ def write_checkpoint(config: dict, path: Path, seed: int = 0) -> Path:
 
 
 @pytest.fixture(scope="module")
-def singles(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
-    """Each checkpoint with its single-rank trace (the reference and the total bytes)."""
+def traces(tmp_path_factory) -> dict[tuple[str, int], dict]:
+    """Each checkpoint's trace on 1 rank (the reference and the total bytes) and on every TP
+    case: one launch per world size runs all of its cells."""
     root = tmp_path_factory.mktemp("vocab")
-    out = {}
-    for kind, config in CONFIGS.items():
-        path = write_checkpoint(config, root / kind)
-        out[kind] = (
-            path,
-            run_trace(path, root / f"{kind}.npz", 1, prompts=PROMPTS, max_tokens=STEPS),
-        )
-    return out
+    paths = {kind: write_checkpoint(config, root / kind) for kind, config in CONFIGS.items()}
+    cells = {(kind, 1) for kind in CONFIGS} | set(CASES)
+    common = {"prompts": PROMPTS, "max_tokens": STEPS, "parallel": "tp"}
+    jobs = {f"{k}-{n}": {**common, "model_dir": paths[k], "nodes": n} for k, n in cells}
+    got = run_traces(jobs, root / "traces")
+    return {(k, n): {**got[f"{k}-{n}"], "path": paths[k]} for k, n in cells}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "nodes"), CASES, ids=[f"{k}-tp{n}" for k, n in CASES])
-def test_tp_rank_holds_its_share_of_the_vocabulary(kind, nodes, singles, tmp_path):
-    path, single = singles[kind]
-    (total,) = [e.event["param_bytes"] for e in single["events"] if e.event["kind"] == "loaded"]
-    stored = mx.load(str(path / "model.safetensors"))
+def test_tp_rank_holds_its_share_of_the_vocabulary(kind, nodes, traces):
+    single, got = traces[kind, 1], traces[kind, nodes]
+    (total,) = [e["param_bytes"] for e in single["loaded"]]
+    stored = mx.load(str(single["path"] / "model.safetensors"))
     vocab_bytes = sum(w.nbytes for n, w in stored.items() if n.startswith(("model.embed", "lm_")))
     assert vocab_bytes > total / 2  # the vocabulary dominates, or the bound proves little
 
-    got = run_trace(path, tmp_path / "t.npz", nodes, "tp", prompts=PROMPTS, max_tokens=STEPS)
-    per_rank = [e.event["param_bytes"] for e in got["events"] if e.event["kind"] == "loaded"]
+    per_rank = [e["param_bytes"] for e in got["loaded"]]
     assert len(per_rank) == nodes
     assert max(per_rank) <= total / nodes * 1.05, (per_rank, total)
     # Nothing is lost either: the ranks together hold the whole model (norms replicated).

@@ -45,23 +45,23 @@ NO_MPI = pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (o
 WHERE = {"ring": "MLX ring on loopback", "mpi": "MPI shared memory under mpirun"}
 
 
-@pytest.mark.parametrize("backend", ["ring", pytest.param("mpi", marks=NO_MPI)])
-@pytest.mark.parametrize("parallel", ["tp", "pp"])
+# "auto" is `generate --nodes 2` with no other flag: TP, on MPI where Open MPI is installed.
+CELLS = [("tp", "ring"), ("pp", "ring"), ("tp", "auto"), pytest.param("pp", "mpi", marks=NO_MPI)]
+
+
+@pytest.mark.parametrize(("parallel", "backend"), CELLS)
 def test_two_ranks_stream_the_same_text(parallel, backend, single):
-    proc = generate("--nodes", "2", "--parallel", parallel, "--backend", backend)
+    if backend == "auto":
+        proc = generate("--nodes", "2")
+        backend = "ring" if shutil.which("mpirun") is None else "mpi"
+    else:
+        proc = generate("--nodes", "2", "--parallel", parallel, "--backend", backend)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == single.stdout
     assert WHERE[backend] in proc.stderr
     # Both ranks report their memory.
     rows = [ln for ln in proc.stderr.splitlines() if ln.startswith("│ 0") or ln.startswith("│ 1")]
     assert len(rows) == 2
-
-
-def test_default_backend_is_mpi_where_open_mpi_is_installed(single):
-    proc = generate("--nodes", "2")
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == single.stdout
-    assert WHERE["ring" if shutil.which("mpirun") is None else "mpi"] in proc.stderr
 
 
 def test_mpi_backend_with_cluster_is_refused():

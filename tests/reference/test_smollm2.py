@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import run_trace
+from matrix_ranks import run_traces
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -62,12 +62,20 @@ def test_transformers_answers_paris(reference):
     assert "Paris" in tok.decode(outputs[0])
 
 
-@pytest.mark.parametrize(
-    "nodes,parallel", [(1, "tp"), (2, "tp"), (2, "pp")], ids=["single", "tp2", "pp2"]
-)
-def test_greedy_tokens_match_transformers(nodes, parallel, smollm2, reference, tmp_path):
-    prompts, expected, _ = reference
-    got = run_trace(
-        smollm2[1], tmp_path / "t.npz", nodes, parallel, prompts=prompts, max_tokens=STEPS
-    )
-    np.testing.assert_array_equal(got["tokens"], expected)
+LAYOUTS = {"single": (1, "tp"), "tp2": (2, "tp"), "pp2": (2, "pp")}
+
+
+@pytest.fixture(scope="module")
+def ours(smollm2, reference, tmp_path_factory) -> dict[str, np.ndarray]:
+    """Our greedy tokens per layout; TP2 and PP2 share one launch of two ranks."""
+    prompts, _, _ = reference
+    common = {"model_dir": smollm2[1], "prompts": prompts, "max_tokens": STEPS}
+    cells = {i: {**common, "nodes": n, "parallel": p} for i, (n, p) in LAYOUTS.items()}
+    traces = run_traces(cells, tmp_path_factory.mktemp("smollm2"))
+    return {i: trace["tokens"] for i, trace in traces.items()}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_greedy_tokens_match_transformers(layout, ours, reference):
+    _, expected, _ = reference
+    np.testing.assert_array_equal(ours[layout], expected)

@@ -5,7 +5,6 @@ and n > 1 choices as n engine streams merged into one.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from thunderpool.api.schemas import (
@@ -18,7 +17,7 @@ from thunderpool.api.schemas import (
     TopLogprob,
 )
 from thunderpool.api.sse import close_quietly
-from thunderpool.api.structured import parse_tool_call
+from thunderpool.api.tools import forced_call
 from thunderpool.engine.logits import TokenLogprob
 from thunderpool.engine.service import Delta
 
@@ -58,15 +57,13 @@ def completion_logprobs(
 def tool_calls(text: str, index: int | None = None) -> list[CalledTool] | None:
     """The forced tool call in a constrained output (a stream's delta with `index`); None if
     it was cut short."""
-    call = parse_tool_call(text)
+    call = forced_call(text)
     if call is None:
         return None
-    name, arguments = call
-    fn = CalledFunction(name=name, arguments=arguments)
-    call_id = f"call_{uuid.uuid4().hex[:24]}"
+    fn = CalledFunction(name=call.name, arguments=call.arguments)
     if index is None:
-        return [CalledTool(id=call_id, function=fn)]
-    return [CalledToolDelta(index=index, id=call_id, function=fn)]
+        return [CalledTool(id=call.id, function=fn)]
+    return [CalledToolDelta(index=index, id=call.id, function=fn)]
 
 
 async def merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:

@@ -8,11 +8,11 @@ which the answer returns as `tool_calls`. Whatever cannot be enforced is a 400 n
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from thunderpool.api.errors import bad_request
 from thunderpool.api.schemas import ChatRequest, CompletionRequest
+from thunderpool.api.tools import call_schema
 from thunderpool.engine.constraint import ANY_OBJECT, SchemaError, check_schema
 
 MAX_N = 16
@@ -75,7 +75,7 @@ def output_schema(req: ChatRequest | CompletionRequest) -> str | None:
                 "response_format cannot be combined with a forced tool_choice; use one",
                 param="response_format",
             )
-        return _checked(closed(tool_call_schema(forced)), "tools")
+        return _checked(closed(call_schema(forced)), "tools")
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
@@ -152,28 +152,3 @@ def _function(tool: Any, i: int) -> dict:
             param=f"tools.{i}.function.parameters",
         )
     return {"name": fn["name"], "parameters": params}
-
-
-def tool_call_schema(functions: list[dict]) -> dict:
-    """One call of one of `functions`: {"name": <const>, "arguments": <its parameters>}."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for f in functions
-    ]
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
-
-
-def parse_tool_call(text: str) -> tuple[str, str] | None:
-    """(name, arguments as JSON text) of a constrained output, or None if it was cut short."""
-    try:
-        call = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return None
-    return call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)

@@ -78,39 +78,34 @@ def check_choice(choice: str, param: str = "tool_choice") -> None:
         )
 
 
-def call_schema(tools: Sequence[dict[str, Any]], choice: str | None = "required") -> dict[str, Any]:
-    """The JSON schema of the call that `tool_choice` demands: {"name", "arguments"}, for
-    constrained decoding. `choice` is "required" (any tool) or a function's name."""
-    calls = {}
-    for tool in tools:
-        f = tool["function"]
-        calls[f["name"]] = {
+def call_schema(functions: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON schema of one call of one of `functions` ({"name", "parameters"}, checked by
+    structured.forced_tools): {"name": <const>, "arguments": <its parameters>}, for
+    constrained decoding."""
+    calls = [
+        {
             "type": "object",
-            "properties": {
-                "name": {"const": f["name"]},
-                "arguments": f.get("parameters") or {"type": "object"},
-            },
+            "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-    if not calls:
-        raise bad_request("tool_choice needs at least one tool in 'tools'", param="tool_choice")
-    if choice == "required":
-        one = list(calls.values())
-        return one[0] if len(one) == 1 else {"anyOf": one}
-    if choice not in calls:
-        raise bad_request(
-            f"tool_choice names '{choice}', which is not among the tools {sorted(calls)}",
-            param="tool_choice",
-        )
-    return calls[choice]
+        for f in functions
+    ]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
-def forced_call(text: str) -> Call:
-    """The call in a constrained generation's text (a JSON object matching `call_schema`):
-    forced calls carry no family markers, so they are read here rather than by the splitter."""
-    value = json.loads(text)
-    return Call(new_call_id(), value["name"], json.dumps(value["arguments"], ensure_ascii=False))
+def forced_call(text: str) -> Call | None:
+    """The call in a constrained generation's text (a JSON object matching `call_schema`), or
+    None if it was cut short: forced calls carry no family markers, so they are read here
+    rather than by the splitter."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = json.dumps(value.get("arguments", {}), ensure_ascii=False)
+    return Call(new_call_id(), value["name"], arguments)
 
 
 def new_call_id() -> str:
