@@ -77,11 +77,6 @@ def draft_fields(args: argparse.Namespace) -> dict:
     if not getattr(args, "draft_model", None):
         return {}
     if args.draft_model == "mtp":  # the model's own multi-token-prediction layer (engine/mtp.py)
-        if getattr(args, "cluster", False):
-            raise ThunderpoolError(
-                "--draft-model mtp is not supported with --cluster: the fabric's shards do not "
-                "carry the MTP layer to the leader; run without --cluster or without the draft"
-            )
         return {"draft_model": "mtp", "spec_k": args.spec_k}
     if getattr(args, "cluster", False):
         return {"draft_model": args.draft_model, "spec_k": args.spec_k}

@@ -187,11 +187,22 @@ def check_draft(
     if not job.draft_model:
         return
     leader = order[0]
+    mtp = job.draft_model == "mtp"  # the model's own MTP layer, read from its whole files
     try:
-        req = Locate(model=job.draft_model, download=True)
+        req = (
+            Locate(model=job.model_dir or None)
+            if mtp
+            else Locate(model=job.draft_model, download=True)
+        )
         has = bool(client(leader).call("POST", "/v1/weights/locate", req, 3600.0)["has"])
     except AgentError:
         has = False
+    if not has and mtp:
+        raise LaunchError(
+            f"--draft-model mtp reads the MTP layer from the model's own files, which the "
+            f"leader's node {_name(state, leader)} does not hold (the fabric's shards do not "
+            "carry that layer); put the model on that node or run without --draft-model"
+        )
     if not has:
         raise LaunchError(
             f"--draft-model {job.draft_model} is not on the leader's node "

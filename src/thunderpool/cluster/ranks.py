@@ -85,7 +85,8 @@ class RankManager:
             # The model is named as the user named it; each node resolves it to its own copy.
             model_dir = self.resolve_model(job.model_dir or None)
             job = job.model_copy(update={"model_dir": str(model_dir)})
-            if job.draft_model and spec.rank == 0:  # the leader runs the draft: its own copy
+            # The leader runs the draft: its own copy (mtp: the model's own layer, no copy).
+            if job.draft_model not in (None, "", "mtp") and spec.rank == 0:
                 draft = self.resolve_model(job.draft_model)
                 job = job.model_copy(update={"draft_model": str(draft)})
         with self.lock:
