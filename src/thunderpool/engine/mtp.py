@@ -37,7 +37,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import MODEL_REMAPPING, _get_classes
 
 from thunderpool.engine.sampling import SamplingParams
-from thunderpool.engine.speculate import DEFAULT_K, _rng, distribution, trim
+from thunderpool.engine.speculate import DEFAULT_K, draw, trim
 from thunderpool.errors import ThunderpoolError
 
 # Families whose MTP layer is a decoder layer of the model's own class, by its class name.
@@ -150,14 +150,8 @@ class MTPDrafter:
         self.fed[sid], h = need, h[:, -1:]
         drafts, qs = [], []
         for i in range(n):
-            logits = self._logits(h)
-            if params.greedy:
-                d = int(mx.argmax(logits).item())
-            else:
-                q = distribution(logits[None], params)[0]
-                rng = self.rngs.setdefault(sid, _rng(params))
-                d = int(rng.choice(q.shape[-1], p=q))
-                qs.append(q)
+            d, q = draw(self._logits(h), params, self.rngs, sid)
+            qs += [] if q is None else [q]
             drafts.append(d)
             if i < n - 1:  # chain: the head's normed hidden and this draft, one position on
                 h = self.layer(mx.array([[d]]), self.layer.normed(h), cache[0])

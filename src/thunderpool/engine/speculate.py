@@ -147,6 +147,18 @@ def accept_sampled(
     return out
 
 
+def draw(
+    logits: mx.array, params: SamplingParams, rngs: dict, sid: int
+) -> tuple[int, np.ndarray | None]:
+    """One draft token: the argmax (greedy), or a draw from the draft's distribution q (then
+    returned too, for the accept rule) with the row's own seeded generator."""
+    if params.greedy:
+        return int(mx.argmax(logits).item()), None
+    q = distribution(logits[None], params)[0]
+    rng = rngs.setdefault(sid, _rng(params))
+    return int(rng.choice(q.shape[-1], p=q)), q
+
+
 def _rng(params: SamplingParams) -> np.random.Generator:
     seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
     return np.random.default_rng(seed)
@@ -196,24 +208,12 @@ class Drafter:
         self.fed[sid] = len(seq)
         drafts, qs = [], []
         for i in range(n):
-            if params.greedy:
-                d = int(mx.argmax(logits).item())
-            else:
-                q = distribution(logits[None], params)[0]
-                rng = self.rngs.setdefault(sid, _rng(params))
-                d = int(rng.choice(q.shape[-1], p=q))
-                qs.append(q)
+            d, q = draw(logits, params, self.rngs, sid)
+            qs += [] if q is None else [q]
             drafts.append(d)
             if i < n - 1:
                 logits = self._logits([d], cache)
         return drafts, np.stack(qs) if qs else np.zeros((0, 0))
-
-    def _draw(self, sid: int, logits: mx.array, params: SamplingParams) -> tuple[int, np.ndarray]:
-        """One draft token from logits (V,): argmax, or a draw from q (then returned)."""
-        if params.greedy:
-            return int(mx.argmax(logits).item()), np.zeros(0)
-        q = distribution(logits[None], params)[0]
-        return int(self.rngs.setdefault(sid, _rng(params)).choice(q.shape[-1], p=q)), q
 
     def propose_rows(
         self, sids: list[int], n: int, params: list[SamplingParams]
@@ -245,10 +245,9 @@ class Drafter:
         qs: list[list[np.ndarray]] = [[] for _ in sids]
         for step in range(n):
             for i, (sid, p) in enumerate(zip(sids, params, strict=True)):
-                d, q = self._draw(sid, logits[i], p)
+                d, q = draw(logits[i], p, self.rngs, sid)
                 drafts[i].append(d)
-                if q.size:
-                    qs[i].append(q)
+                qs[i] += [] if q is None else [q]
             if step < n - 1:
                 logits = self._batch_logits([[d[-1]] for d in drafts], batch)
         for i, sid in enumerate(sids):
