@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -63,6 +64,20 @@ def test_one_rank_compiled_equals_eager(kind, family_dirs):
     reference, _, _ = load_shard(family_dirs[kind], group, Layout(compile=False))
     assert (runner.compiled is not None) == fused(runner) == (kind in PROVEN)
     check(compare(runner, reference), kind in PROVEN)
+
+
+def test_a_step_in_another_thread_than_the_load_equals_eager(family_dirs):
+    """serve and the API's local engine step in a thread of their own: nothing the compiled
+    step built at load may be left lazy on the loading thread's stream."""
+    group = mx.distributed.init()
+    runner, _, _ = load_shard(family_dirs["llama"], group, Layout())
+    reference, _, _ = load_shard(family_dirs["llama"], group, Layout(compile=False))
+    results: list = []
+    worker = threading.Thread(target=lambda: results.append(compare(runner, reference)))
+    worker.start()
+    worker.join(timeout=120)
+    assert results, "the step failed in its thread (see the thread's traceback above)"
+    check(results[0], True)
 
 
 def test_fused_weights_are_views_and_unfused_compile_still_equal(family_dirs, monkeypatch):

@@ -144,6 +144,9 @@ class FusedForward:
 
     def __init__(self, model: nn.Module, layers: list[Layer], inv_freqs: mx.array, dims: int):
         self.model, self.inner = model, model.model
+        # Evaluated now: a lazy array is tied to the loading thread's stream, and the engine
+        # may step in another thread ("no Stream(cpu, 0) in current thread").
+        mx.eval(inv_freqs)
         self.layers, self.inv_freqs, self.head_dim = layers, inv_freqs, dims
 
     def __call__(self, tokens: mx.array, caches: list) -> mx.array:
