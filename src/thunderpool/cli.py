@@ -14,9 +14,9 @@ from thunderpool import __version__
 from thunderpool.cli_flags import (
     add_allow_untested,
     add_backend,
+    add_compile,
     add_groups,
     add_layout,
-    add_no_compile,
     add_replication,
     add_speculation,
     check_hybrid,
@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _cluster_args(bench)
     add_allow_untested(bench)
-    add_no_compile(bench)
+    add_compile(bench)
     return parser
 
 

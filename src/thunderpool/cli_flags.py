@@ -87,7 +87,7 @@ def add_layout(p: argparse.ArgumentParser) -> None:
         help="seconds of silence from the ranks before all are stopped (default 600)",
     )
     add_allow_untested(p)
-    add_no_compile(p)
+    add_compile(p)
 
 
 def add_replication(p: argparse.ArgumentParser) -> None:
@@ -155,13 +155,14 @@ def check_hybrid(args: argparse.Namespace) -> None:
         )
 
 
-def add_no_compile(p: argparse.ArgumentParser) -> None:
+def add_compile(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--no-compile",
-        dest="compile",
-        action="store_false",
-        help="decode op by op, without the compiled step (on by default where it is proven "
-        "equal: llama, qwen2, qwen3, qwen3_moe; not PP)",
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode with the compiled, fused step where it is proven equal (llama, qwen2, "
+        "qwen3, qwen3_moe; one rank, TP and PP). Off by default: on Linux CPU it measured "
+        "slower than op by op (docs/benchmarks.md section 8); unmeasured on Metal",
     )
 
 

@@ -70,7 +70,7 @@ def main(spec_path: str, out_path: str) -> None:
     results = {}
     for parallel, models in spec["layouts"].items():
         for name, model in models.items():
-            runner, _, _ = load_shard(Path(model), group, Layout(parallel))
+            runner, _, _ = load_shard(Path(model), group, Layout(parallel, compile=True))
             reference, _, _ = load_shard(Path(model), group, Layout(parallel, compile=False))
             results[f"{parallel}/{name}"] = {**compare(runner, reference), "fused": fused(runner)}
     if group.rank() == 0:

@@ -60,7 +60,7 @@ def check(result: dict, proven: bool, tol: float = TOL) -> None:
 @pytest.mark.parametrize("kind", [*PROVEN, "gemma3_text"])
 def test_one_rank_compiled_equals_eager(kind, family_dirs):
     group = mx.distributed.init()
-    runner, _, _ = load_shard(family_dirs[kind], group, Layout())
+    runner, _, _ = load_shard(family_dirs[kind], group, Layout(compile=True))
     reference, _, _ = load_shard(family_dirs[kind], group, Layout(compile=False))
     assert (runner.compiled is not None) == fused(runner) == (kind in PROVEN)
     check(compare(runner, reference), kind in PROVEN)
@@ -70,7 +70,7 @@ def test_a_step_in_another_thread_than_the_load_equals_eager(family_dirs):
     """serve and the API's local engine step in a thread of their own: nothing the compiled
     step built at load may be left lazy on the loading thread's stream."""
     group = mx.distributed.init()
-    runner, _, _ = load_shard(family_dirs["llama"], group, Layout())
+    runner, _, _ = load_shard(family_dirs["llama"], group, Layout(compile=True))
     reference, _, _ = load_shard(family_dirs["llama"], group, Layout(compile=False))
     results: list = []
     worker = threading.Thread(target=lambda: results.append(compare(runner, reference)))
@@ -84,14 +84,14 @@ def test_fused_weights_are_views_and_unfused_compile_still_equal(family_dirs, mo
     """The modules keep views of the fused arrays (one copy in memory); a model the fused
     forward does not take still compiles mlx-lm's own forward, equal to eager."""
     group = mx.distributed.init()
-    runner, _, _ = load_shard(family_dirs["qwen2"], group, Layout())
+    runner, _, _ = load_shard(family_dirs["qwen2"], group, Layout(compile=True))
     layer, attn = runner.compiled.fused.layers[0], runner.model.layers[0].self_attn
     address = lambda a: np.asarray(a).__array_interface__["data"][0]  # noqa: E731
     q_bytes = attn.q_proj.weight.nbytes  # k's rows follow q's in the fused weight
     assert address(attn.k_proj.weight) == address(layer.qkv.weight) + q_bytes
     assert address(attn.q_proj.bias) == address(layer.qkv.bias)
     monkeypatch.setattr(compiled.fused, "build", lambda model, local=None: None)
-    runner, _, _ = load_shard(family_dirs["llama"], group, Layout())
+    runner, _, _ = load_shard(family_dirs["llama"], group, Layout(compile=True))
     reference, _, _ = load_shard(family_dirs["llama"], group, Layout(compile=False))
     assert runner.compiled is not None and not fused(runner)
     check(compare(runner, reference), True)
@@ -110,7 +110,7 @@ def test_fused_quantized_equals_eager(family_dirs):
 
 
 def test_no_compile_stays_eager(family_dirs):
-    runner, _, _ = load_shard(family_dirs["llama"], mx.distributed.init(), Layout())
+    runner, _, _ = load_shard(family_dirs["llama"], mx.distributed.init(), Layout(compile=True))
     assert Runner(runner.model, runner.group, None, compile=False).compiled is None
     assert compiled.supports(runner.model)
 
@@ -163,7 +163,7 @@ def _run_ranks(spec: dict, nodes: int, tmp: Path, timeout: float = 300.0) -> dic
 def test_compiled_step_dispatches_fewer_kernels(family_dirs):
     from thunderpool.bench.graph_ops import decode_step_ops
 
-    runner, _, _ = load_shard(family_dirs["llama"], mx.distributed.init(), Layout())
+    runner, _, _ = load_shard(family_dirs["llama"], mx.distributed.init(), Layout(compile=True))
     eager, comp = decode_step_ops(runner, False), decode_step_ops(runner, True)
     layers = len(runner.model.layers)
     matmuls = lambda ops: ops["by_op"].get("Matmul", 0) + ops["by_op"].get("AddMM", 0)  # noqa: E731

@@ -292,8 +292,8 @@ def test_plans_record_the_compiled_step_and_price_its_kernels():
     from thunderpool.planner.simulate import load_model, simulate
 
     spec, cluster = load_model("qwen3-4b"), parse_cluster("2x m3-ultra-512@tb5-rdma")
-    plans = {(p.kind, len(p.nodes)): p for p in simulate(spec, cluster)}
-    eager = {(p.kind, len(p.nodes)): p for p in simulate(spec, cluster, compiled=False)}
+    plans = {(p.kind, len(p.nodes)): p for p in simulate(spec, cluster, compiled=True)}
+    eager = {(p.kind, len(p.nodes)): p for p in simulate(spec, cluster)}  # the default
     assert all(plans[k].compiled for k in (("single", 1), ("tp", 2), ("pp", 2)))
     assert not any(p.compiled for p in eager.values())
     for key in (("single", 1), ("tp", 2), ("pp", 2)):

@@ -106,9 +106,10 @@ def add_plan_parser(sub) -> None:
         help="MoE: measured routing counts (`thunderpool route-counts`) for EP plans' imbalance",
     )
     add_cluster_args(p)
-    from thunderpool.cli_flags import add_allow_untested
+    from thunderpool.cli_flags import add_allow_untested, add_compile
 
     add_allow_untested(p)
+    add_compile(p)  # priced as `serve --compile` would run
 
 
 def ranked_plans(args: argparse.Namespace, state: ClusterState):
@@ -129,6 +130,7 @@ def ranked_plans(args: argparse.Namespace, state: ClusterState):
         concurrency=concurrency if isinstance(concurrency, int) else 1,
         prefix_cache_bytes=(getattr(args, "prefix_cache_gb", 0.0) or 0.0) * 2**30,
         routing={i: routing.popularity(i) for i in routing.layers} if routing else None,
+        compiled=getattr(args, "compile", False),  # priced as the ranks will run
     )
 
 

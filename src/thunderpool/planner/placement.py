@@ -78,7 +78,7 @@ class _Needs:
     kv_dtype_bytes: float
     prompt_tokens: int
     prefix_tokens: int = 0  # the prefix cache's budget, in tokens of KV (all nodes together)
-    compiled: bool = True  # price the compiled decode step where the engine runs one
+    compiled: bool = False  # price the compiled decode step where the engine runs one
     routing: dict | None = None  # EP: measured share of routes per expert, by MoE layer
 
 
@@ -91,11 +91,11 @@ def place(
     kv_dtype_bytes: float = 2,
     prompt_tokens: int | None = None,
     prefix_cache_bytes: float = 0,
-    compiled: bool = True,
+    compiled: bool = False,
     routing: dict[int, tuple[float, ...]] | None = None,
 ) -> list[Plan]:
     """Every plan that fits, fastest predicted decode first; PlacementError if none does.
-    `compiled=False` prices every decode step eager (as `--no-compile`, or another tool).
+    `compiled=True` prices the compiled step where the engine runs one (`--compile`).
 
     Speed is predicted for decode right after a `prompt_tokens` prompt (default: 512 or the
     context, whichever is smaller); memory is reserved for the full context x concurrency,

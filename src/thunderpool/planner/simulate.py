@@ -87,10 +87,10 @@ def simulate(
     context: int = 4096,
     concurrency: int = 1,
     prompt_tokens: int | None = None,
-    compiled: bool = True,
+    compiled: bool = False,
 ) -> list[Plan]:
     """Every plan that fits the described cluster, fastest predicted decode first; decode
-    steps compiled where our engine compiles them (`compiled=False`: all eager)."""
+    steps eager, or (`compiled`) compiled where our engine compiles them with --compile."""
     nodes, links = cluster.specs()
     return place(
         spec,
@@ -136,7 +136,7 @@ def validate() -> list[Check]:
         cluster = parse_cluster(p["cluster"])
         spec = load_model(p["model"])
         prompt = p["prompt"]
-        plans = simulate(spec, cluster, context=prompt + 256, prompt_tokens=prompt, compiled=False)
+        plans = simulate(spec, cluster, context=prompt + 256, prompt_tokens=prompt)
         kind = p.get("layout", "single" if len(cluster.nodes) == 1 else "tp")
         same = [x for x in plans if x.kind == kind and len(x.nodes) == len(cluster.nodes)]
         if not same:
@@ -198,6 +198,11 @@ def add_simulate_parser(sub) -> None:
         "the model's own multi-token-prediction layer (DeepSeek V3, GLM)",
     )
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="price the compiled decode step (what `serve --compile` runs) instead of eager",
+    )
+    p.add_argument(
         "--validate",
         action="store_true",
         help="predict every published result the simulator is calibrated against",
@@ -219,7 +224,9 @@ def simulate_main(args: argparse.Namespace) -> int:
         )
     cluster = parse_cluster(args.cluster)
     spec = load_model(args.model)
-    plans = simulate(spec, cluster, args.context, args.concurrency, args.prompt_tokens)
+    plans = simulate(
+        spec, cluster, args.context, args.concurrency, args.prompt_tokens, compiled=args.compile
+    )
     prompt = args.prompt_tokens or min(512, args.context)
     console.print(
         f"{args.model}: {spec.params / 1e9:.0f}B parameters ({spec.active_params / 1e9:.1f}B "
