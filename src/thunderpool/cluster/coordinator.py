@@ -326,8 +326,7 @@ class ClusterInstance:
     def _hybrid(self, fetch) -> tuple[list[tuple[RankJob, dict, dict]], dict[int, str]]:
         """Each stage its own MLX world (jaccl where its nodes are RDMA-joined), every rank
         told the hand-off addresses; and the shards of nodes without the model, fetched per
-        stage as that group's TP shards (the whole model's slices: more than the stage needs,
-        but what the weight fabric can cut today)."""
+        stage: its layers' TP slices over its group (fabric.rank_layout)."""
         job, groups = self.job, tuple(self.job.groups or ())
         handoff = handoff_addresses(self.state, self.order, groups, ring_port_base(len(self.order)))
         seats: list[tuple[RankJob, dict, dict]] = []
@@ -338,9 +337,7 @@ class ClusterInstance:
             staged = job.model_copy(update={"stage": s, "handoff": handoff})
             world = self._world(staged, order)
             seats += [(j, f, {**e, "MLX_RANK": str(r)}) for r, (j, f, e) in enumerate(world)]
-            weights = (job.tp_weights or ())[first : first + n] or None
-            tp = job.model_copy(update={"parallel": "tp", "groups": None, "tp_weights": weights})
-            shards |= {first + r: d for r, d in fetch(order, tp).items()}
+            shards |= {first + r: d for r, d in fetch(order, staged).items()}
         return seats, shards
 
     def start(self) -> None:

@@ -37,6 +37,22 @@ class NodeFetch:
 
 
 def rank_layout(job: RankJob, rank: int, world: int) -> RankLayout:
+    """What `rank` of `world` reads. Hybrid: `world` is the job's stage group, which reads
+    its stage's layers TP-sliced (job.tp_weights: the whole job's, rank by rank)."""
+    if job.parallel == "hybrid":
+        from thunderpool.parallel.hybrid import group_weights
+
+        groups = tuple(job.groups or ())
+        weights = group_weights(groups, job.stage, job.tp_weights)
+        return RankLayout(
+            rank=rank,
+            world=world,
+            parallel="tp",
+            tp_weights=tuple(weights) if weights else None,
+            layer_split=tuple(job.layer_split) if job.layer_split else None,
+            stage=job.stage,
+            stages=len(groups),
+        )
     return RankLayout(
         rank=rank,
         world=world,

@@ -19,7 +19,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from thunderpool.errors import ModelError, ShardingError
 from thunderpool.parallel.experts import ExpertShare, routed_experts, split_experts
@@ -195,6 +195,9 @@ class RankLayout(BaseModel):
     layer_split: tuple[int, ...] | None = None
     expert_split: tuple[int, ...] | None = None  # EP: routed experts per rank
     expert_replicas: tuple[tuple[int, int, int], ...] | None = None  # EP: (layer, expert, rank)
+    # Hybrid TP×PP: this TP rank's stage of `stages` (layers cut by layer_split), or None.
+    stage: int | None = Field(None, ge=0)
+    stages: int = Field(1, ge=1)
 
 
 def rank_pieces(index: ModelIndex, layout: RankLayout) -> list[Piece]:
@@ -202,10 +205,14 @@ def rank_pieces(index: ModelIndex, layout: RankLayout) -> list[Piece]:
     channels' slices (TP), or those plus its whole experts (EP), and every non-weight file."""
     files = [Piece(name=f"file:{f}") for f in index.files]
     names = sorted(index.tensors)
+    if layout.stage is not None:  # hybrid: the stage's tensors, TP-sliced over its group
+        stage = layout.stage, layout.stages
+        names = [n for n in names if _in_stage(n, index.config, layout, *stage)]
     if layout.world == 1:
         return files + [Piece(name=n) for n in names]
     if layout.parallel == "pp":
-        return files + [Piece(name=n) for n in names if _in_stage(n, index.config, layout)]
+        stage = layout.rank, layout.world
+        return files + [Piece(name=n) for n in names if _in_stage(n, index.config, layout, *stage)]
     if layout.parallel == "ep":
         share = expert_share(index.config, layout)
         extra: dict[int, set[int]] = {}  # layer -> replicated experts this rank also holds
@@ -254,16 +261,17 @@ def _ep_piece(
     return Piece(name=name)
 
 
-def _in_stage(name: str, config: dict, layout: RankLayout) -> bool:
+def _in_stage(name: str, config: dict, layout: RankLayout, stage: int, stages: int) -> bool:
+    """Whether stage `stage` of `stages` (a PP rank, or a hybrid group) reads `name`."""
     n_layers = config["num_hidden_layers"]
-    bounds = split_layers(n_layers, layout.world, list(layout.layer_split or []) or None)
-    start, end = bounds[layout.rank]
+    bounds = split_layers(n_layers, stages, list(layout.layer_split or []) or None)
+    start, end = bounds[stage]
     if m := _LAYER.search(name):
         return start <= int(m.group(1)) < end
     if "embed_tokens" in name or name.startswith("lm_head"):
-        return layout.rank == 0  # the leader embeds and projects (pipeline.py)
+        return stage == 0  # the leader's stage embeds and projects (pipeline.py, hybrid.py)
     if name in ("model.norm.weight", "model.norm.bias"):
-        return layout.rank == layout.world - 1
+        return stage == stages - 1
     return True  # a tensor we cannot place is sent whole rather than missed
 
 
