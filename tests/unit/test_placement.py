@@ -227,3 +227,23 @@ def test_pinned_ranks_pay_the_per_matmul_cost_measured_on_one_core():
     matmuls = 7 * spec.layers + 1  # every layer's 7, plus the split output head
     got = [predict(spec, tp, n, link).breakdown.dispatch_s for n in (pinned, unmeasured, apart)]
     assert got == pytest.approx([matmuls * 5e-5, matmuls * 3e-5, matmuls * 3e-5], rel=1e-9)
+
+
+def test_a_draft_is_reserved_on_the_leader_and_can_rule_a_plan_out(spec):
+    draft = model_spec_from_config({**LLAMA_8B, "num_hidden_layers": 4})
+    nodes = [mac("a", avail_gib=48), mac("b", avail_gib=48)]
+    link = [LinkSpec("a", "b", 10e-6, 8e9, "rdma")]
+    plain = {(p.kind, p.nodes): p for p in place(spec, nodes, link, context_tokens=1024)}
+    drafted = {(p.kind, p.nodes): p for p in place(spec, nodes, link, 1024, draft=draft)}
+    extra = draft.total_bytes + int(draft.kv_bytes_per_token(2) * 1024)
+    for key, p in drafted.items():
+        leader, *others = p.nodes
+        assert p.memory_used[leader] == plain[key].memory_used[leader] + extra
+        assert all(p.memory_used[n] == plain[key].memory_used[n] for n in others)
+    # A leader with room for the model but not the draft: only the other node may lead.
+    tight = plain["single", ("a",)].memory_used["a"] + extra // 2
+    nodes = [mac("a", avail_gib=tight / GiB), mac("b", avail_gib=48)]
+    singles = [p.nodes for p in place(spec, nodes, link, 1024, draft=draft) if p.kind == "single"]
+    assert singles == [("b",)]
+    with pytest.raises(PlacementError, match="the draft on the leader"):
+        place(spec, [mac("a", avail_gib=tight / GiB)], [], 1024, draft=draft)

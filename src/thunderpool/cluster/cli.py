@@ -110,6 +110,11 @@ def add_plan_parser(sub) -> None:
 
     add_allow_untested(p)
     add_compile(p)  # priced as `serve --compile` would run
+    p.add_argument(
+        "--draft-model",
+        help="reserve a speculative draft on the leader (what `serve --draft-model` loads): "
+        "a model dir, .gguf or hub id, or `mtp` (the model's own MTP layer)",
+    )
 
 
 def ranked_plans(args: argparse.Namespace, state: ClusterState):
@@ -122,6 +127,7 @@ def ranked_plans(args: argparse.Namespace, state: ClusterState):
     nodes, links = node_specs(state)
     concurrency = getattr(args, "concurrency", 1)  # bench's --concurrency is a list of levels
     routing = _routing(args)
+    draft = _draft_spec(args, spec)
     return place(
         spec,
         nodes,
@@ -131,7 +137,23 @@ def ranked_plans(args: argparse.Namespace, state: ClusterState):
         prefix_cache_bytes=(getattr(args, "prefix_cache_gb", 0.0) or 0.0) * 2**30,
         routing={i: routing.popularity(i) for i in routing.layers} if routing else None,
         compiled=getattr(args, "compile", False),  # priced as the ranks will run
+        draft=draft,
     )
+
+
+def _draft_spec(args: argparse.Namespace, spec):
+    """The speculative draft the leader will hold (--draft-model), for its memory."""
+    from thunderpool.cluster.remote_model import model_here_or_remote
+    from thunderpool.planner.spec import model_spec
+
+    name = getattr(args, "draft_model", None)
+    if not name:
+        return None
+    if name == "mtp":  # the model's own MTP layer, loaded on the leader (engine/mtp.py)
+        from thunderpool.planner.speculative import mtp_draft
+
+        return mtp_draft(spec)
+    return model_spec(model_here_or_remote(name, lambda: coordinator(args)))
 
 
 def _routing(args: argparse.Namespace):

@@ -80,6 +80,7 @@ class _Needs:
     prefix_tokens: int = 0  # the prefix cache's budget, in tokens of KV (all nodes together)
     compiled: bool = False  # price the compiled decode step where the engine runs one
     routing: dict | None = None  # EP: measured share of routes per expert, by MoE layer
+    draft_bytes: int = 0  # a speculative draft's weights and KV, held by the leader only
 
 
 def place(
@@ -93,6 +94,7 @@ def place(
     prefix_cache_bytes: float = 0,
     compiled: bool = False,
     routing: dict[int, tuple[float, ...]] | None = None,
+    draft: ModelSpec | None = None,
 ) -> list[Plan]:
     """Every plan that fits, fastest predicted decode first; PlacementError if none does.
     `compiled=True` prices the compiled step where the engine runs one (`--compile`).
@@ -101,6 +103,8 @@ def place(
     context, whichever is smaller); memory is reserved for the full context x concurrency,
     plus the prefix cache's `prefix_cache_bytes` of KV, spread over the nodes as the KV is.
     EP plans price `routing` (parallel/routing.py's measured counts) where given, else uniform.
+    A speculative `draft` (its weights and its KV for the same context) is reserved on the
+    leader, the first node of every plan, which runs it.
     """
     if not nodes:
         raise PlacementError("no nodes to place the model on; start `thunderpool node` on one")
@@ -121,6 +125,7 @@ def place(
         prefix,
         compiled,
         routing,
+        _draft_bytes(draft, context_tokens * concurrency, kv_dtype_bytes),
     )
     by_name = {n.name: n for n in nodes}
     plans = []
@@ -184,7 +189,15 @@ def memory_use(
             total = weight_bytes(spec, stage, share, head_share(stages, k, share))
             total += kv_bytes(spec, stage, share, tokens, needs.kv_dtype_bytes)
             used[share.node] = int(total + act) + node.os_reserve_bytes
+    leader = stages[0].nodes[0]
+    used[leader] += needs.draft_bytes
     return used
+
+
+def _draft_bytes(draft: ModelSpec | None, tokens: int, kv_dtype_bytes: float) -> int:
+    if draft is None:
+        return 0
+    return int(draft.total_bytes + draft.kv_bytes_per_token(kv_dtype_bytes) * tokens)
 
 
 def _plan(spec, kind, stages, by_name, links, needs) -> Plan | None:
@@ -388,12 +401,14 @@ def _refusal(spec: ModelSpec, nodes: list[NodeSpec], needs: _Needs) -> str:
     kv_token = spec.kv_bytes_per_token(needs.kv_dtype_bytes)
     kv = kv_token * (needs.context_tokens * needs.concurrency + needs.prefix_tokens)
     reserve = sum(n.os_reserve_bytes for n in nodes)
-    need = spec.total_bytes + kv + reserve
+    need = spec.total_bytes + kv + reserve + needs.draft_bytes
     have = sum(n.available_bytes for n in nodes)
     missing = need - have
     prefix = f" + prefix cache {gib(kv_token * needs.prefix_tokens)}" if needs.prefix_tokens else ""
+    if needs.draft_bytes:
+        prefix += f" + the draft on the leader {gib(needs.draft_bytes)}"
     fixes = []
-    room = have - spec.total_bytes - reserve
+    room = have - spec.total_bytes - reserve - needs.draft_bytes
     if room > 0 and kv_token:
         fit = int(room / (kv_token * needs.concurrency)) // 256 * 256
         if fit >= 256:
