@@ -3,7 +3,8 @@ stages joined by our TCP hand-off, against the unsharded model.
 
 Reference: mlx-lm's own model in this process, full forward of the whole sequence at every
 step. Expected: identical greedy tokens and fp32 logits within 1e-4 (TP2×PP2 on tiny llama,
-qwen3, whose 3 KV heads split 2+1 inside each group, and qwen3_moe); the uneven case (groups
+qwen3, whose 3 KV heads split 2+1 inside each group, and qwen3_moe; the embedded SmolLM2 in
+stages of 18 and 12 layers against one rank); the uneven case (groups
 2,1, layers 3+1, TP weights 2:1 in group 0) under continuous batching with the prefix
 cache gets each request's tokens alone on one rank, and the cache's hits. Four ranks share
 two cores here, so the traces are short.
@@ -77,6 +78,33 @@ def test_hybrid_matches_unsharded(kind, tiny_models, tmp_path):
     # Each group holds a strict part of its stage: no rank holds the whole model.
     one = sum(v.nbytes for v in _params(tiny_models[kind]))
     assert max(e["param_bytes"] for e in loaded) < one * 0.75
+
+
+@pytest.mark.slow
+def test_the_embedded_model_in_uneven_stages_matches_one_rank(tmp_path):
+    """SmolLM2: 3 KV heads split 2+1 in each group, tied embedding split over group 0,
+    stages of 18 and 12 layers."""
+    from thunderpool.models.source import resolve_model
+
+    model = resolve_model(None, progress=False)
+    prompts = tiny_prompts(2)
+    one = run_trace(model, tmp_path / "one.npz", 1, prompts=prompts, max_tokens=STEPS)
+    got = run_trace(
+        model,
+        tmp_path / "h.npz",
+        4,
+        "hybrid",
+        prompts=prompts,
+        max_tokens=STEPS,
+        groups=(2, 2),
+        layer_split=(18, 12),
+    )
+    np.testing.assert_array_equal(got["tokens"], one["tokens"])
+    np.testing.assert_allclose(got["logits"], one["logits"], atol=TOL, rtol=TOL)
+    loaded = sorted(
+        (e.event for e in got["events"] if e.event["kind"] == "loaded"), key=lambda e: e["rank"]
+    )
+    assert [tuple(e["layers"]) for e in loaded] == [(0, 18)] * 2 + [(18, 30)] * 2
 
 
 def _params(model_dir: Path):
