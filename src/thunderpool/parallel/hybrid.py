@@ -18,7 +18,7 @@ import mlx.nn as nn
 from thunderpool.errors import ShardingError
 from thunderpool.parallel import tensor, vocab
 from thunderpool.parallel.handoff import HandoffError, Link, Topology, check_groups
-from thunderpool.parallel.pipeline import PipelineStage, _advance_others, split_layers
+from thunderpool.parallel.pipeline import PipelineStage, split_layers
 from thunderpool.parallel.vocab import RowReader
 
 
@@ -76,28 +76,16 @@ class HybridStage(PipelineStage):
         self.link, self.topo = link, topo
         self.leads = topo.stage == 0 and topo.rank == 0
 
-    def forward(self, tokens: mx.array, cache: list, last_only: bool = True) -> mx.array | None:
-        """Runs this stage; on stage 0's ranks returns the final hidden state of the last
-        position (of every position when not `last_only`), None elsewhere."""
-        B, L = tokens.shape
-        if self.handoff is not None:
-            self.handoff.hand(self._recv((B, L, self.hidden)))
-        try:
-            h = self.inner(tokens, cache=cache)
-        finally:
-            if self.handoff is not None:
-                self.handoff.hand(None)
-        _advance_others(cache, self.local, B, L, self.dtype)
-        kept = 1 if last_only else L
-        out = h[:, -kept:, :] if self.topo.last else h
-        out = out.astype(self.dtype)
-        mx.eval(out)
+    # PipelineStage.forward runs the stage; these two move its hidden states over the link.
+    def _pass_on(self, h: mx.array, B: int, kept: int) -> mx.array | None:
+        """Sends the stage's output on (the last stage: its last `kept` positions); stage 0's
+        ranks return what the last stage sent back, the others None."""
+        out = (h[:, -kept:, :] if self.topo.last else h).astype(self.dtype)
+        mx.eval(out)  # a stage evaluates before it hands off
         self.link.send(out)
-        if self.rank == 0:
-            return self._recv((B, kept, self.hidden))
-        return None
+        return self._receive((B, kept, self.hidden)) if self.rank == 0 else None
 
-    def _recv(self, shape: tuple[int, ...]) -> mx.array:
+    def _receive(self, shape: tuple[int, ...]) -> mx.array:
         h = self.link.recv()
         if h.shape != shape:
             raise HandoffError(

@@ -135,11 +135,7 @@ class PipelineStage:
         (of every position when not `last_only`: a speculative verify step)."""
         B, L = tokens.shape
         if self.handoff is not None:
-            self.handoff.hand(
-                mx.distributed.recv(
-                    (B, L, self.hidden), self.dtype, self.rank - 1, group=self.group
-                )
-            )
+            self.handoff.hand(self._receive((B, L, self.hidden)))
         try:
             h = self.inner(tokens, cache=cache)
         finally:
@@ -153,14 +149,16 @@ class PipelineStage:
         `local(h, their caches)`, a compiled graph, instead of the model's forward."""
         B, L = tokens.shape
         if self.start > 0:
-            h = mx.distributed.recv(
-                (B, L, self.hidden), self.dtype, self.rank - 1, group=self.group
-            )
+            h = self._receive((B, L, self.hidden))
         else:
             h = self.inner.embed_tokens(tokens)
         h = local(h, cache[self.start : self.end])
         _advance_others(cache, self.local, B, L, self.dtype)
         return self._pass_on(h, B, 1)
+
+    def _receive(self, shape: tuple[int, ...]) -> mx.array:
+        """The previous stage's hidden state."""
+        return mx.distributed.recv(shape, self.dtype, self.rank - 1, group=self.group)
 
     def _pass_on(self, h: mx.array, B: int, kept: int) -> mx.array | None:
         """Sends the stage's output on; rank 0 returns the last stage's last `kept` positions."""
