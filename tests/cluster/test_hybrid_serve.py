@@ -47,7 +47,7 @@ def _known(coord: Coordinator) -> int:
 
 
 def one_process(model_dir, prompt: str, max_tokens: int) -> tuple[str, int]:
-    """The greedy completion of mlx-lm's own model in this process: (text, tokens)."""
+    """The greedy completion of mlx-lm's own model in this process: (text, token count)."""
     import mlx.core as mx
     from mlx_lm.utils import load_model, load_tokenizer
 
@@ -60,7 +60,12 @@ def one_process(model_dir, prompt: str, max_tokens: int) -> tuple[str, int]:
             break
         out.append(token)
         seq.append(token)
-    return tokenizer.decode(out), len(out)
+    detok = tokenizer.detokenizer  # the streaming detokenizer the server's text comes from
+    detok.reset()
+    for token in out:
+        detok.add_token(token)
+    detok.finalize()
+    return detok.text, len(out)
 
 
 def complete() -> tuple[str, int]:
@@ -85,7 +90,6 @@ def ready() -> bool:
 def served(tmp_path_factory):
     home = tmp_path_factory.mktemp("hybrid-serve")
     model = make_tiny_chat(home / "wide", **WIDE)
-    reference = one_process(model, PROMPT, MAX_TOKENS)
     with Testbed(4) as bed:
         bed.limit_between(ISLANDS, RATE)  # before the agents join: their probes see it
         first = f"{bed.host(1).ip}:{PORT}"
@@ -94,11 +98,11 @@ def served(tmp_path_factory):
             own = ("--token", TOKEN, "--host-id", f"hybrid-host-{i}", *join)
             return bed.popen(i, node_cmd(bed, i, home, *own), stderr=subprocess.DEVNULL)
 
-        agents = {1: agent(1)}
+        # All at once: a seed that does not answer yet is retried.
+        agents = {1: agent(1), **{i: agent(i, "--join", first) for i in (2, 3, 4)}}
+        reference = one_process(model, PROMPT, MAX_TOKENS)  # while the agents start
         coord = Coordinator([first], TOKEN)
-        assert wait_until(lambda: _known(coord) == 1, timeout=60, interval=0.5)
-        agents.update({i: agent(i, "--join", first) for i in (2, 3, 4)})
-        assert wait_until(lambda: _known(coord) == 4, timeout=60, interval=0.5)
+        assert wait_until(lambda: _known(coord) == 4, timeout=90, interval=0.5)
         log = open(home / "serve.log", "w")  # noqa: SIM115 - closed at teardown
         serve = subprocess.Popen(
             [
