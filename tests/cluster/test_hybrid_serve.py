@@ -2,12 +2,13 @@
 (TP inside each island, PP between them), the served greedy text equals one process's, and a
 lost agent of the second stage's island makes the supervisor replan onto the nodes left.
 
-Every agent reports a host id of its own (`node --host-id`): the namespaces share one kernel,
-whose boot id would make the planner place at most two ranks on these two cores. The islands
-are joined by 20 Mbit/s (htb), nothing limits traffic inside them. The model's layers outweigh
-its head, so halving them by TP inside an island pays, while TP over all four would gather the
-logits over the slow link every step: with the agents' default rates (no measurement) the
-planner predicts hybrid ~68 tok/s, PP4 ~54 and TP4 ~23 (bf16-sized here; f32 halves them all).
+Every agent reports a host id of its own (`node --host-id`) and runs on one core (taskset),
+as containers with cpusets on one machine would; by the namespaces' shared boot id the planner
+would place at most two ranks on these two cores. The islands are joined by 20 Mbit/s (htb),
+nothing limits traffic inside them. The model's layers outweigh its head, so halving them by
+TP inside an island pays, while TP over all four gathers the logits over the slow link every
+step: at the agents' default rates (not measured) the planner predicts hybrid ~39 tok/s, PP4
+~30 and TP4 ~23; after the loss, TP2 over the intact island ~54, one node ~30.
 """
 
 from __future__ import annotations
@@ -95,8 +96,10 @@ def served(tmp_path_factory):
         first = f"{bed.host(1).ip}:{PORT}"
 
         def agent(i: int, *join: str) -> subprocess.Popen:
+            # Like containers with cpusets: each island's two agents on the two cores.
             own = ("--token", TOKEN, "--host-id", f"hybrid-host-{i}", *join)
-            return bed.popen(i, node_cmd(bed, i, home, *own), stderr=subprocess.DEVNULL)
+            cmd = ["taskset", "-c", str((i - 1) % 2), *node_cmd(bed, i, home, *own)]
+            return bed.popen(i, cmd, stderr=subprocess.DEVNULL)
 
         # All at once: a seed that does not answer yet is retried.
         agents = {1: agent(1), **{i: agent(i, "--join", first) for i in (2, 3, 4)}}
