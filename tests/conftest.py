@@ -99,9 +99,9 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def make_tiny_chat(path: Path, seed: int = 0) -> Path:
+def make_tiny_chat(path: Path, seed: int = 0, **config_fields) -> Path:
     """A tiny random llama with the embedded SmolLM2's tokenizer and chat template: what
-    `serve` needs, loaded in a blink."""
+    `serve` needs, loaded in a blink; `config_fields` change its shape."""
     import shutil
 
     from thunderpool.models.source import resolve_model
@@ -113,6 +113,7 @@ def make_tiny_chat(path: Path, seed: int = 0) -> Path:
         "bos_token_id": 1,
         "eos_token_id": 2,
         "max_position_embeddings": 2048,
+        **config_fields,
     }
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)

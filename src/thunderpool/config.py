@@ -31,6 +31,14 @@ def api_key_from_env() -> str | None:
     return os.environ.get(API_KEY_ENV) or None
 
 
+HOST_ID_ENV = "THUNDERPOOL_HOST_ID"
+
+
+def host_id_from_env() -> str | None:
+    """The machine identity an agent reports instead of the boot id (`node --host-id`)."""
+    return os.environ.get(HOST_ID_ENV, "").strip() or None
+
+
 def blas_choice() -> str:
     """THUNDERPOOL_BLAS: "auto" (default), "reference" (the wheel's own), or a library path."""
     return os.environ.get("THUNDERPOOL_BLAS", "auto")

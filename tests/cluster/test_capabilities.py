@@ -213,3 +213,69 @@ def test_pinned_speed_is_measured_as_a_pinned_rank_runs(monkeypatch):
 
     monkeypatch.setattr(capabilities.subprocess, "run", failing)
     assert capabilities.measure_rank_speed(2**24, core=1) == (0, 0, 0, 0)  # planner keeps its rates
+
+
+def test_host_id_is_the_boot_id_unless_overridden(tmp_path):
+    """Containers on one machine share its boot id; --host-id tells them apart."""
+    boot = tmp_path / "proc/sys/kernel/random/boot_id"
+    boot.parent.mkdir(parents=True)
+    boot.write_text("0b5c3e2a-boot\n")
+    (tmp_path / "proc/cpuinfo").write_text((LINUX / "proc/cpuinfo").read_text())
+    (tmp_path / "proc/meminfo").write_text((LINUX / "proc/meminfo").read_text())
+    run = Replay("linux")
+    kw = {"measure": False, "run": run, "system": "Linux", "root": tmp_path}
+    assert node_info(7070, "a", **kw).host_id == "0b5c3e2a-boot"
+    assert node_info(7070, "a", host="box-a", **kw).host_id == "box-a"
+
+
+def test_cpu_count_is_the_cores_the_agent_may_use(monkeypatch):
+    """A container pinned to cores 4-5 of a 16-core machine reports 2, and pins its ranks there."""
+    from thunderpool.cluster.launch import own_core
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this OS")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5, 4})
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    info = node_info(7070, "c", measure=False, run=Replay("linux"), system="Linux", root=LINUX)
+    assert info.cpu_count == 2
+    # The coordinator numbers a machine's ranks 0, 1, ...: the agent maps them onto its cores.
+    assert [own_core(i) for i in (0, 1, None)] == [4, 5, None]
+
+
+def test_node_host_id_flag_then_environment(monkeypatch):
+    from thunderpool.cli import build_parser
+    from thunderpool.cluster.node import host_override
+
+    monkeypatch.delenv("THUNDERPOOL_HOST_ID", raising=False)
+    assert host_override(build_parser().parse_args(["node"])) is None
+    monkeypatch.setenv("THUNDERPOOL_HOST_ID", " box-env ")
+    assert host_override(build_parser().parse_args(["node"])) == "box-env"
+    flagged = build_parser().parse_args(["node", "--host-id", "box-flag"])
+    assert host_override(flagged) == "box-flag"
+
+
+def test_memory_is_capped_by_the_cgroup_limit(tmp_path):
+    """A container started with --memory 8g on a 64 GiB machine reports 8 GiB, and as free
+    what its cgroup has left (page cache it can drop counts as free); no limit: /proc/meminfo."""
+    from thunderpool.cluster.capabilities import cgroup_memory
+
+    total, free = 64 * 2**30, 50 * 2**30
+    assert cgroup_memory(tmp_path, total, free) == (total, free)  # no cgroup files
+    v2 = tmp_path / "sys/fs/cgroup"
+    v2.mkdir(parents=True)
+    (v2 / "memory.max").write_text("max\n")
+    (v2 / "memory.current").write_text(f"{2**30}\n")
+    assert cgroup_memory(tmp_path, total, free) == (total, free)
+    (v2 / "memory.max").write_text(f"{8 * 2**30}\n")
+    (v2 / "memory.stat").write_text(f"anon 1\ninactive_file {2**29}\nactive_file 7\n")
+    assert cgroup_memory(tmp_path, total, free) == (8 * 2**30, 7 * 2**30 + 2**29)
+    # cgroup v1: "unlimited" is a huge number.
+    for f in ("memory.max", "memory.current", "memory.stat"):
+        (v2 / f).unlink()
+    v1 = v2 / "memory"
+    v1.mkdir()
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{2**30}\n")
+    assert cgroup_memory(tmp_path, total, free) == (total, free)
+    (v1 / "memory.limit_in_bytes").write_text(f"{4 * 2**30}\n")
+    assert cgroup_memory(tmp_path, total, free) == (4 * 2**30, 3 * 2**30)

@@ -237,6 +237,25 @@ class Testbed:
         _sh("tc", "qdisc", "replace", "dev", self._bridge_port(i), "root", *tbf)
         self._rates[i] = rate
 
+    def limit_between(self, islands: list[tuple[int, ...]], rate: str) -> None:
+        """Traffic between hosts of different islands limited to `rate`, none inside one: each
+        host's egress to the other islands' addresses goes through an htb class picked by a u32
+        filter on the destination (this kernel has htb and tbf but no prio qdisc)."""
+        for island in islands:
+            others = [j for other in islands if other != island for j in other]
+            for i in island:
+                dev = self.host(i).veth
+                tc = lambda *argv, i=i: _sh(*self.exec_cmd(i, ["tc", *argv]))  # noqa: E731
+                tc("qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
+                tc("class", "add", "dev", dev, "parent", "1:", "classid", "1:10",
+                   "htb", "rate", "10gbit")  # fmt: skip
+                tc("class", "add", "dev", dev, "parent", "1:", "classid", "1:30",
+                   "htb", "rate", rate, "ceil", rate)  # fmt: skip
+                for j in others:
+                    tc("filter", "add", "dev", dev, "protocol", "ip", "parent", "1:0", "prio",
+                       "1", "u32", "match", "ip", "dst", f"{self.host(j).ip}/32",
+                       "flowid", "1:30")  # fmt: skip
+
     def add_delay(self, i: int, ms: float, *, detach: bool = False) -> None:
         """Delay every frame to and from host i by `ms` (so its RTT grows by 2 * ms).
 

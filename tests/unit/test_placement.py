@@ -178,6 +178,10 @@ def test_nodes_on_one_machine_share_its_memory_and_cores():
     roomy = [_box(n, "box", 40) for n in "xyz"]
     plans = place(spec, roomy, loop, context_tokens=1024)
     assert plans and max(len(p.nodes) for p in plans) == 2
+    # The same agents with host ids of their own (`node --host-id`: containers with their own
+    # cpusets and memory) are separate machines: 3-rank plans are offered.
+    apart = [_box(n, f"box-{n}", 40) for n in "xyz"]
+    assert max(len(p.nodes) for p in place(spec, apart, loop, context_tokens=1024)) == 3
 
 
 def test_co_located_tp_ranks_split_the_host_bandwidth():

@@ -50,6 +50,25 @@ def test_tp_pays_two_ring_all_reduces_per_layer():
     assert pred.breakdown.collective_s == pytest.approx(expected, rel=1e-12)
 
 
+def test_each_tp_message_is_priced_on_the_link_slowest_for_its_size():
+    """Three ranks: a-b a fast link with high latency, c joined by a slow one with low latency.
+    The small all-reduces wait on a-b's latency, the logits' gather on c's bandwidth (pricing
+    the gather on the latency-slowest link hid a 20 Mbit/s link from TP, islands apart)."""
+    spec = model_spec_from_config({**CONFIG, "vocab_size": 49152})
+    nodes = {n: node(n) for n in "abc"}
+    fast = LinkSpec("a", "b", 1e-3, 1e9, "ethernet")
+    slow = [LinkSpec(x, "c", 1e-5, 2.5e6, "ethernet") for x in "ab"]
+    stage = Stage(("a", "b", "c"), (0, 8), (1.0, 1.0, 1.0))
+    pred = predict(spec, [stage], nodes, [fast, *slow], prompt_tokens=16)
+    step = 512 * 2  # one token's hidden state, 2 bytes each
+    reduce = fast.all_reduce_s(step, 3)
+    assert reduce > slow[0].all_reduce_s(step, 3)  # latency sets the small messages
+    gather = slow[0].all_gather_s(49152 * 2, 3)
+    assert gather > fast.all_gather_s(49152 * 2, 3)  # bandwidth sets the logits
+    control = max(x.all_reduce_s(512, 3) for x in (fast, slow[0]))
+    assert pred.breakdown.collective_s == pytest.approx(17 * reduce + gather + control, rel=1e-12)
+
+
 def test_tp_splits_the_output_head_by_weight():
     """Each TP rank reads and holds its weight share of the (tied) vocabulary matrix, once;
     PP's first stage reads and holds it whole."""

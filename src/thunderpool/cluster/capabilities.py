@@ -87,6 +87,39 @@ def parse_meminfo(text: str) -> tuple[int, int]:
     return values["MemTotal"], values.get("MemAvailable", values.get("MemFree", 0))
 
 
+# (limit, usage, memory.stat's reclaimable page-cache key) of cgroup v2, then v1.
+CGROUP_MEMORY = (
+    ("sys/fs/cgroup/memory.max", "sys/fs/cgroup/memory.current", "inactive_file"),
+    (
+        "sys/fs/cgroup/memory/memory.limit_in_bytes",
+        "sys/fs/cgroup/memory/memory.usage_in_bytes",
+        "total_inactive_file",
+    ),
+)
+
+
+def cgroup_memory(root: Path, total: int, available: int) -> tuple[int, int]:
+    """(total, available) within this process's cgroup memory limit (a container's `--memory`),
+    which /proc/meminfo does not show; unchanged without a limit below `total`."""
+    for limit_file, usage_file, cache_key in CGROUP_MEMORY:
+        try:
+            limit = int((root / limit_file).read_text().strip())  # v2 writes "max": no limit
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit >= total:
+            return total, available
+        cache = 0
+        with contextlib.suppress(OSError, ValueError):
+            stat = (root / limit_file).with_name("memory.stat")
+            for line in stat.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == cache_key:
+                    cache = int(value)
+        return limit, max(0, min(available, limit - usage + cache))
+    return total, available
+
+
 def parse_memsize(text: str) -> int:
     """`sysctl hw.memsize` ("hw.memsize: 68719476736") or `sysctl -n hw.memsize` -> bytes."""
     return int(text.rsplit(":", 1)[-1].strip())
@@ -379,8 +412,20 @@ def measure_host_bandwidth(procs: int, seconds: float = 0.6) -> float:
     return total
 
 
-def host_id(macos: bool, run: Runner, root: Path) -> str:
-    """Same for every agent on one machine: the kernel's boot id (Linux) or its UUID (macOS)."""
+def usable_cores() -> list[int]:
+    """The cores this process may run on: a container's cpuset (or `taskset`) gives fewer than
+    the machine has, and its ranks get only those (os.cpu_count counts the machine's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def host_id(macos: bool, run: Runner, root: Path, override: str | None = None) -> str:
+    """Same for every agent on one machine: the kernel's boot id (Linux) or its UUID (macOS).
+    `override` (`node --host-id`) tells apart agents that share the kernel but not their cores
+    and memory (containers with their own cpusets), which the boot id cannot."""
+    if override:
+        return override
     if macos:
         code, out = run(["sysctl", "-n", "kern.uuid"])
         return out.strip() if code == 0 else ""
@@ -429,9 +474,10 @@ def node_info(
     *,
     system: str | None = None,
     root: Path = Path("/"),
+    host: str | None = None,
 ) -> NodeInfo:
     """This node's NodeInfo. `system` ("Darwin"/"Linux") and `root` (where /proc and /sys are)
-    exist so tests can replay another machine's recorded outputs."""
+    exist so tests can replay another machine's recorded outputs; `host` overrides host_id."""
     system = system or platform.system()
     rdma_devices: tuple[str, ...] = ()
     rdma_enabled = False
@@ -453,6 +499,7 @@ def node_info(
         os_name = f"{system} {platform.release()}"
         chip = parse_cpuinfo((root / "proc/cpuinfo").read_text())
         total, available = parse_meminfo((root / "proc/meminfo").read_text())
+        total, available = cgroup_memory(root, total, available)
         interfaces = linux_interfaces(
             _output(run, "ip", "-j", "addr") or "[]", root / "sys/class/net"
         )
@@ -461,8 +508,8 @@ def node_info(
     if measure:
         with measuring_alone():
             mem_bw, short_bw, flops, op_latency = measure_rank_speed(_copy_size(available))
-            host_bw = measure_host_bandwidth(os.cpu_count() or 1)
-            cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+            host_bw = measure_host_bandwidth(len(usable_cores()))
+            cores = usable_cores() if hasattr(os, "sched_getaffinity") else []
             if len(cores) > 1:  # ranks are pinned only where the OS lets us (Linux)
                 pinned = measure_rank_speed(_copy_size(available), cores[0])
                 core_bw, _, core_flops, core_op = pinned
@@ -476,7 +523,7 @@ def node_info(
         python_version=platform.python_version(),
         os=os_name,
         chip=chip or platform.processor() or platform.machine(),
-        cpu_count=os.cpu_count() or 1,
+        cpu_count=len(usable_cores()),
         memory_total_bytes=total,
         memory_available_bytes=available,
         mem_bw_Bps=mem_bw,
@@ -486,7 +533,7 @@ def node_info(
         core_op_latency_s=core_op,
         op_latency_s=op_latency,
         short_row_mem_bw_Bps=short_bw,
-        host_id=host_id(system == "Darwin", run, root),
+        host_id=host_id(system == "Darwin", run, root, host),
         flops=flops,
         backends=backends(macos, rdma, has_mpirun),
         rdma=rdma,

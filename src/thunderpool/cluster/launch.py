@@ -142,6 +142,15 @@ def _cpus() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
+def own_core(index: int | None) -> int | None:
+    """The core for the coordinator's `index`-th rank on this machine: the index-th core this
+    agent may use (a container's cpuset need not start at core 0)."""
+    if index is None:
+        return None
+    cores = _cpus()
+    return cores[index % len(cores)]
+
+
 class Launcher:
     """What the launchers of this host's ranks share (LocalInstance, mpi.MpiInstance): a
     context manager that starts the ranks and kills them all on exit; `events()` streams their

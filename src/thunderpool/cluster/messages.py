@@ -50,7 +50,9 @@ class NodeInfo(Wire):
     # (MLX's CPU backend); 0: the planner takes the calibrated value for the chip.
     op_latency_s: float = 0.0
     short_row_mem_bw_Bps: float = 0.0  # mem_bw_Bps with weight rows of 512 floats, not 4096
-    host_id: str = ""  # equal for agents sharing one machine (e.g. network namespaces)
+    # Equal for agents sharing one machine's cores and memory (e.g. network namespaces): the
+    # boot id, unless `node --host-id` tells apart containers with cpusets of their own.
+    host_id: str = ""
     flops: float = 0.0  # quick measured fp32 matmul FLOP/s
     backends: tuple[str, ...] = ("ring",)  # MLX distributed backends usable here
     rdma: bool = False
@@ -103,7 +105,8 @@ class RankSpec(Wire):
     # Files the agent writes before starting the rank, each path exported as the env var named
     # by its key: MLX_HOSTFILE (ring) or MLX_IBV_DEVICES (jaccl's RDMA device matrix).
     files: dict[str, str] = Field(default_factory=dict)
-    cpu: int | None = None  # pin to this core: ranks sharing a machine each get their own
+    # Pin to the agent's cpu-th usable core: ranks sharing a machine each get their own.
+    cpu: int | None = None
 
 
 class StartRanks(Wire):

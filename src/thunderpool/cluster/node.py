@@ -44,12 +44,26 @@ def add_node_parser(sub) -> None:
         help="cluster token (else $THUNDERPOOL_TOKEN, else the stored "
         "one, else a new one printed once)",
     )
+    p.add_argument(
+        "--host-id",
+        metavar="ID",
+        help="this agent's machine identity (else $THUNDERPOOL_HOST_ID, else the kernel's boot "
+        "id): agents on one machine share its cores and memory in the planner; give each agent "
+        "with its own cores and memory (containers with cpusets) an id of its own",
+    )
     p.add_argument("--no-mdns", action="store_true", help="do not announce or browse on mDNS")
     p.add_argument(
         "--no-measure",
         action="store_true",
         help="skip the memory-bandwidth and FLOP/s measurement at start",
     )
+
+
+def host_override(args: argparse.Namespace) -> str | None:
+    """--host-id, else $THUNDERPOOL_HOST_ID; None: the agent reports its kernel's boot id."""
+    from thunderpool.config import host_id_from_env
+
+    return (args.host_id or "").strip() or host_id_from_env()
 
 
 def node_main(args: argparse.Namespace) -> int:
@@ -66,7 +80,9 @@ def node_main(args: argparse.Namespace) -> int:
             f"cluster token (shown once; pass it to every other node with --token): "
             f"[bold]{identity.token}[/]"
         )
-    info = node_info(args.port, identity.node_id, measure=not args.no_measure)
+    info = node_info(
+        args.port, identity.node_id, measure=not args.no_measure, host=host_override(args)
+    )
     address = args.advertise or (
         args.host
         if args.host != "0.0.0.0"

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from thunderpool.cluster.blas import fast_blas_env
-from thunderpool.cluster.launch import child_setup, one_core_env
+from thunderpool.cluster.launch import child_setup, one_core_env, own_core
 from thunderpool.cluster.messages import RankSpec
 from thunderpool.config import LINK_TOKEN_ENV
 from thunderpool.engine.job import RankJob
@@ -93,6 +93,7 @@ class RankManager:
             inst = self.instances.setdefault(spec.instance_id, _Instance())
             inst.polled = time.monotonic()
         tmp = Path(inst.tmp.name)
+        cpu = own_core(spec.cpu)
         job_file = tmp / f"job-{spec.rank}.json"
         job_file.write_text(job.model_dump_json())
         env = {
@@ -101,7 +102,7 @@ class RankManager:
             **spec.env,
             # A hybrid rank's rank in its stage's world, which its spec's env names.
             "MLX_RANK": spec.env.get("MLX_RANK", str(spec.rank)),
-            **one_core_env(spec.cpu),
+            **one_core_env(cpu),
             **({LINK_TOKEN_ENV: self.link_token} if self.link_token else {}),
         }
         for var, content in spec.files.items():
@@ -109,7 +110,7 @@ class RankManager:
             path.write_text(content)
             env[var] = str(path)
         argv = [sys.executable, "-m", "thunderpool.rank", str(job_file)]
-        proc = self._spawner.submit(_spawn, argv, env, spec.cpu).result()
+        proc = self._spawner.submit(_spawn, argv, env, cpu).result()
         rank = _Rank(spec.rank, proc)
         inst.ranks[spec.rank] = rank
         inst.polled = time.monotonic()  # the lease runs from the coordinator's last word

@@ -284,19 +284,24 @@ def predict(
             for s in ranks
         )
         if len(ranks) > 1:
-            link = _slowest(links, stage.nodes, batch * hidden * act_bytes)
+            # Each message on the group's slowest link for its size: a small all-reduce waits
+            # on latency, the logits' gather on bandwidth, which two different links may set.
+            n, step, prompt = len(ranks), batch * hidden * act_bytes, prompt_tokens * hidden
+            link = _slowest(links, stage.nodes, step)
+            long = _slowest(links, stage.nodes, prompt * act_bytes)
             n_reduce = 2 * stage.n_layers
-            collective += n_reduce * link.all_reduce_s(batch * hidden * act_bytes, len(ranks))
-            prefill += n_reduce * link.all_reduce_s(prompt_tokens * hidden * act_bytes, len(ranks))
+            collective += n_reduce * link.all_reduce_s(step, n)
+            prefill += n_reduce * long.all_reduce_s(prompt * act_bytes, n)
             n_coll += n_reduce
             if len(stages) == 1:
                 # The split vocabulary (parallel/vocab.py): the embedding's all_sum of the
                 # looked-up rows, and the logits gathered once per forward.
-                collective += link.all_reduce_s(batch * hidden * act_bytes, len(ranks))
-                prefill += link.all_reduce_s(prompt_tokens * hidden * act_bytes, len(ranks))
+                collective += link.all_reduce_s(step, n)
+                prefill += long.all_reduce_s(prompt * act_bytes, n)
                 logits = spec.vocab * act_bytes
-                collective += link.all_gather_s(batch * logits, len(ranks))
-                prefill += link.all_gather_s(logits, len(ranks))
+                wide = _slowest(links, stage.nodes, batch * logits)
+                collective += wide.all_gather_s(batch * logits, n)
+                prefill += _slowest(links, stage.nodes, logits).all_gather_s(logits, n)
                 n_coll += 2
     everyone = tuple(n for s in stages for n in s.nodes)
     if len(everyone) > 1:
