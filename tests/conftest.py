@@ -170,3 +170,22 @@ def run_trace(
     assert [e.event["kind"] for e in events].count("loaded") == nodes
     data = np.load(out)
     return {"tokens": data["tokens"], "logits": data["logits"], "events": events}
+
+
+def greedy_full_forward(model_dir: Path, prompts, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy tokens and fp32 last-position logits of mlx-lm's own model in this process,
+    recomputing the whole sequence at every step (no KV cache): the unsharded reference."""
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(model_dir))
+    tokens, logits = [], []
+    for prompt in prompts:
+        seq, toks, lgs = list(prompt), [], []
+        for _ in range(steps):
+            out = model(mx.array([seq]))[0, -1].astype(mx.float32)
+            toks.append(int(mx.argmax(out).item()))
+            lgs.append(np.array(out))
+            seq.append(toks[-1])
+        tokens.append(toks)
+        logits.append(np.stack(lgs))
+    return np.array(tokens), np.stack(logits)

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from batch_ranks import run_ranks
-from conftest import run_trace, tiny_prompts
+from conftest import greedy_full_forward, run_trace, tiny_prompts
 from mlx_lm.utils import load_model
 
 from thunderpool.engine.control import Control
@@ -35,26 +35,11 @@ PROMPTS = tiny_prompts()
 CELLS = {"llama": ((2, 2), None), "qwen3": ((2, 2), (3, 1)), "qwen3_moe": ((2, 2), None)}
 
 
-def full_forward(model_dir: Path) -> tuple[np.ndarray, np.ndarray]:
-    model, _ = load_model(model_dir)
-    tokens, logits = [], []
-    for prompt in PROMPTS:
-        seq, toks, lgs = list(prompt), [], []
-        for _ in range(STEPS):
-            out = model(mx.array([seq]))[0, -1].astype(mx.float32)
-            toks.append(int(mx.argmax(out).item()))
-            lgs.append(np.array(out))
-            seq.append(toks[-1])
-        tokens.append(toks)
-        logits.append(np.stack(lgs))
-    return np.array(tokens), np.stack(logits)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", CELLS)
 def test_hybrid_matches_unsharded(kind, tiny_models, tmp_path):
     groups, split = CELLS[kind]
-    want_tokens, want_logits = full_forward(tiny_models[kind])
+    want_tokens, want_logits = greedy_full_forward(tiny_models[kind], PROMPTS, STEPS)
     got = run_trace(
         tiny_models[kind],
         tmp_path / "t.npz",
