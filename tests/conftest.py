@@ -134,6 +134,31 @@ def tiny_chat(tmp_path_factory) -> Path:
     return make_tiny_chat(tmp_path_factory.mktemp("tiny-chat") / "tiny-chat")
 
 
+@pytest.fixture(scope="session")
+def smollm2_transformers(tmp_path_factory):
+    """transformers' own GGUF loader on the packaged SmolLM2: (model, tokenizer, the dir that
+    holds a link to the file, its name). The reference of the GGUF import and of the engine's
+    tokens, loaded once: dequantizing the GGUF is most of its cost."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it to load GGUF weights
+    from thunderpool.errors import ModelError
+    from thunderpool.models.source import default_gguf_path
+
+    try:
+        gguf = default_gguf_path()
+    except ModelError as e:
+        pytest.skip(str(e))
+    # transformers wants (dir, gguf_file=name): the packaged file linked into a dir of its own.
+    d = tmp_path_factory.mktemp("gguf")
+    (d / gguf.name).symlink_to(gguf)
+    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        d, gguf_file=gguf.name, dtype=torch.float32
+    )
+    return model.eval(), tok, d, gguf.name
+
+
 def tiny_prompts(n: int = 2, seed: int = 1) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, size=int(rng.integers(5, 40))).tolist() for _ in range(n)]
