@@ -194,3 +194,24 @@ def run_trace(
     assert [e.event["kind"] for e in events].count("loaded") == nodes
     data = np.load(out)
     return {"tokens": data["tokens"], "logits": data["logits"], "events": events}
+
+
+@pytest.fixture(scope="session")
+def one_rank_trace(tmp_path_factory):
+    """run_trace on one rank, once per (model files, prompts, max_tokens): the tests that check
+    sharded runs against the same one-rank reference share its launch (greedy decoding on one
+    rank is deterministic). Returns trace(model_dir, prompts, max_tokens) -> run_trace's dict."""
+    root = tmp_path_factory.mktemp("one-rank")
+    done: dict[tuple, dict] = {}
+
+    def trace(model_dir: Path, prompts: list[list[int]], max_tokens: int = 32) -> dict:
+        files = sorted(
+            (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in model_dir.iterdir()
+        )
+        key = (str(model_dir.resolve()), tuple(files), tuple(map(tuple, prompts)), max_tokens)
+        if key not in done:
+            out = root / f"{len(done)}.npz"
+            done[key] = run_trace(model_dir, out, 1, prompts=prompts, max_tokens=max_tokens)
+        return done[key]
+
+    return trace
