@@ -24,11 +24,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from families import FAMILIES, family_prompts, make_family, transformers_dir
-from matrix_ranks import run_matrix, trace_job, trace_result
+from matrix_ranks import launch_backend, run_matrix, trace_job, trace_result
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
-from thunderpool.cluster.mpi import mpi_available
 from thunderpool.engine.loader import Layout, preflight
 from thunderpool.errors import ShardingError
 from thunderpool.parallel.pipeline import split_layers
@@ -129,8 +128,7 @@ def launches(family_dirs, tmp_path_factory):
             if n == nodes and layout not in family.refuses
             for cell in [f"{kind}-{layout}"]
         ]
-        backend = "mpi" if nodes > 2 and mpi_available() else "ring"
-        return run_matrix(jobs, tmp / "run", nodes, LAUNCH_S, backend), tmp
+        return run_matrix(jobs, tmp / "run", nodes, LAUNCH_S, launch_backend(nodes)), tmp
 
     return Built(launch)
 
