@@ -12,6 +12,11 @@ and cancellations happen inside the emit callback, so inside a decode burst when
 
 from __future__ import annotations
 
+import thunderpool
+
+if __name__ == "__main__":  # this rank program, not a test importing it
+    thunderpool.hide_torch()
+
 import contextlib
 import json
 import os
@@ -227,6 +232,41 @@ def run_ranks(
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+    return json.loads(out_file.read_text())
+
+
+def run_mpi_ranks(spec: dict, tmp: Path, timeout: float, nodes: int, script: str, env=None):
+    """`script` on `nodes` ranks under mpirun (MLX's mpi backend, unpinned, oversubscribed:
+    Open MPI then yields the core while it waits, where ring ranks spin); returns what rank 0
+    wrote. The rank program must init the "mpi" backend (spec["backend"] says so)."""
+    from thunderpool.cluster.mpi import find_mpi, mpi_command
+
+    mpirun, lib = find_mpi()
+    spec_file, out_file = tmp / "spec.json", tmp / "out.json"
+    spec_file.write_text(json.dumps({**spec, "backend": "mpi"}))
+    extra = {**(env or {}), "MLX_MPI_LIBNAME": lib, "OMPI_MCA_mpi_yield_when_idle": "1"}
+    root = os.geteuid() == 0
+    argv = [sys.executable, script, str(spec_file), str(out_file)]
+    cmd = mpi_command(mpirun, nodes, False, sorted(extra), argv, root)
+    log = tmp / "mpirun.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, **extra},
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: child_setup(None),
+        )
+    try:
+        code = proc.wait(timeout=timeout)
+        assert code == 0, log.read_text()[-6000:]
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     return json.loads(out_file.read_text())
 
 

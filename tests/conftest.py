@@ -135,6 +135,31 @@ def tiny_chat(tmp_path_factory) -> Path:
     return make_tiny_chat(tmp_path_factory.mktemp("tiny-chat") / "tiny-chat")
 
 
+@pytest.fixture(scope="session")
+def smollm2_transformers(tmp_path_factory):
+    """transformers' own GGUF loader on the packaged SmolLM2: (model, tokenizer, the dir that
+    holds a link to the file, its name). The reference of the GGUF import and of the engine's
+    tokens, loaded once: dequantizing the GGUF is most of its cost."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it to load GGUF weights
+    from thunderpool.errors import ModelError
+    from thunderpool.models.source import default_gguf_path
+
+    try:
+        gguf = default_gguf_path()
+    except ModelError as e:
+        pytest.skip(str(e))
+    # transformers wants (dir, gguf_file=name): the packaged file linked into a dir of its own.
+    d = tmp_path_factory.mktemp("gguf")
+    (d / gguf.name).symlink_to(gguf)
+    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        d, gguf_file=gguf.name, dtype=torch.float32
+    )
+    return model.eval(), tok, d, gguf.name
+
+
 def tiny_prompts(n: int = 2, seed: int = 1) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, size=int(rng.integers(5, 40))).tolist() for _ in range(n)]
@@ -189,3 +214,24 @@ def greedy_full_forward(model_dir: Path, prompts, steps: int) -> tuple[np.ndarra
         tokens.append(toks)
         logits.append(np.stack(lgs))
     return np.array(tokens), np.stack(logits)
+
+
+@pytest.fixture(scope="session")
+def one_rank_trace(tmp_path_factory):
+    """run_trace on one rank, once per (model files, prompts, max_tokens): the tests that check
+    sharded runs against the same one-rank reference share its launch (greedy decoding on one
+    rank is deterministic). Returns trace(model_dir, prompts, max_tokens) -> run_trace's dict."""
+    root = tmp_path_factory.mktemp("one-rank")
+    done: dict[tuple, dict] = {}
+
+    def trace(model_dir: Path, prompts: list[list[int]], max_tokens: int = 32) -> dict:
+        files = sorted(
+            (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in model_dir.iterdir()
+        )
+        key = (str(model_dir.resolve()), tuple(files), tuple(map(tuple, prompts)), max_tokens)
+        if key not in done:
+            out = root / f"{len(done)}.npz"
+            done[key] = run_trace(model_dir, out, 1, prompts=prompts, max_tokens=max_tokens)
+        return done[key]
+
+    return trace

@@ -1,5 +1,9 @@
 import sys
 
-from thunderpool.cli import main
+import thunderpool
+
+thunderpool.hide_torch()  # before the CLI imports mlx-lm
+
+from thunderpool.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -20,6 +20,7 @@ from thunderpool.cli_flags import (
     add_replication,
     add_speculation,
     check_hybrid,
+    check_replication,
     parse_floats,
     parse_ints,
     parse_modes,
@@ -300,6 +301,7 @@ def _main(argv: list[str] | None) -> int:
                 "--replicate-experts copies experts for --parallel ep (bench: --modes ep) only; "
                 "add it or drop --replicate-experts"
             )
+        check_replication(args)
         if getattr(args, "expert_split", None) and getattr(args, "parallel", None) != "ep":
             raise ThunderpoolError(
                 "--expert-split places experts for --parallel ep only; add --parallel ep or "

@@ -106,6 +106,21 @@ def add_replication(p: argparse.ArgumentParser) -> None:
     )
 
 
+def check_replication(args: argparse.Namespace) -> None:
+    """--replicate-experts copies experts from one EP rank to another: one rank has none to
+    copy to, so the flag would silently do nothing there."""
+    copies, nodes = getattr(args, "replicate_experts", None), getattr(args, "nodes", None)
+    if not copies or (nodes is None and getattr(args, "cluster", False)):
+        return  # with --cluster and no --nodes, the planner's EP ranks take the copies
+    most = max(nodes) if isinstance(nodes, tuple) else nodes or 2  # bench: a list
+    if most < 2:
+        raise ThunderpoolError(
+            f"--replicate-experts {copies} copies experts between expert-parallel ranks, and "
+            f"--nodes {most} runs one rank: nothing to copy to; use --nodes 2 or more, or "
+            "drop --replicate-experts"
+        )
+
+
 def add_groups(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--groups",

@@ -7,8 +7,14 @@ the one place that picks the task's code, so the engine imports neither serving 
 
 from __future__ import annotations
 
-import json
 import sys
+
+import thunderpool
+
+if __name__ == "__main__":  # a rank process, not the launcher importing EVENT_PREFIX
+    thunderpool.hide_torch()
+
+import json
 import traceback
 from pathlib import Path
 

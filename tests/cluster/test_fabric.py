@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import uvicorn
-from conftest import run_trace, tiny_prompts
+from conftest import tiny_prompts
 from test_control_plane import node
 from testbed import wait_until
 
@@ -109,11 +109,11 @@ def loaded_bytes(events, rank: int) -> int:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])  # even (mlx-lm) and uneven (2+1 KV) splits
 def test_tp2_fetches_half_of_each_split_matrix_and_matches_one_rank(
-    pair, tiny_models, tmp_path, kind
+    pair, tiny_models, tmp_path, kind, one_rank_trace
 ):
     _, a, b, _ = pair
     model = tiny_models[kind]
-    ref = run_trace(model, tmp_path / "ref.npz", 1, prompts=tiny_prompts(2), max_tokens=16)
+    ref = one_rank_trace(model, tiny_prompts(2), 16)
     before = received(b)
     events = launch(pair, "tp", tmp_path / "tp.npz", model)
     np.testing.assert_array_equal(np.load(tmp_path / "tp.npz")["tokens"], ref["tokens"])
@@ -145,7 +145,9 @@ def quantize(model: Path, out: Path, bits: int = 4, group_size: int = 32) -> Pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama-q4", "qwen3_moe"])
-def test_tp2_slices_quantized_and_expert_matrices_at_the_source(pair, tiny_models, tmp_path, kind):
+def test_tp2_slices_quantized_and_expert_matrices_at_the_source(
+    pair, tiny_models, tmp_path, kind, one_rank_trace
+):
     """Packed weights with their scales and biases (rows, or whole input groups) and each
     expert's gate/up/down are cut at the source like parallel/tensor.py cuts them."""
     _, a, b, _ = pair
@@ -158,7 +160,7 @@ def test_tp2_slices_quantized_and_expert_matrices_at_the_source(pair, tiny_model
     if kind == "qwen3_moe":
         want = ("experts.3.gate_proj.weight", "experts.0.down_proj.weight", "o_proj.weight")
     assert all(any(n.endswith(w) for n in sliced) for w in want), sorted(sliced)
-    ref = run_trace(model, tmp_path / "ref.npz", 1, prompts=tiny_prompts(2), max_tokens=16)
+    ref = one_rank_trace(model, tiny_prompts(2), 16)
     before = received(b)
     events = launch(pair, "tp", tmp_path / "tp.npz", model)
     np.testing.assert_array_equal(np.load(tmp_path / "tp.npz")["tokens"], ref["tokens"])
@@ -169,7 +171,9 @@ def test_tp2_slices_quantized_and_expert_matrices_at_the_source(pair, tiny_model
 
 
 @pytest.mark.slow
-def test_ep2_as_planned_fetches_only_its_experts_and_matches_one_rank(pair, tiny_models, tmp_path):
+def test_ep2_as_planned_fetches_only_its_experts_and_matches_one_rank(
+    pair, tiny_models, tmp_path, one_rank_trace
+):
     """The planner's EP plan, launched over the fabric: node b is sent its attention slices
     and only its own experts' tensors (per-expert checkpoint), and decodes as one rank does."""
     from thunderpool.cluster.coordinator import plan_layout
@@ -187,7 +191,7 @@ def test_ep2_as_planned_fetches_only_its_experts_and_matches_one_rank(pair, tiny
     )
     layout = plan_layout(plan)
     assert layout["parallel"] == "ep" and layout["expert_split"] == (2, 2)
-    ref = run_trace(model, tmp_path / "ref.npz", 1, prompts=tiny_prompts(2), max_tokens=16)
+    ref = one_rank_trace(model, tiny_prompts(2), 16)
     before = received(b)
     task = TraceTask(prompts=tuple(map(tuple, tiny_prompts(2))), max_tokens=16, out="")
     task = task.model_copy(update={"out": str(tmp_path / "ep.npz")})
@@ -215,9 +219,9 @@ def test_ep2_as_planned_fetches_only_its_experts_and_matches_one_rank(pair, tiny
     )
 
 
-def test_pp2_fetches_its_stage_and_reuses_what_the_tp_shard_holds(pair, tmp_path):
+def test_pp2_fetches_its_stage_and_reuses_what_the_tp_shard_holds(pair, tmp_path, one_rank_trace):
     model, a, b, _ = pair
-    ref = run_trace(model, tmp_path / "ref.npz", 1, prompts=tiny_prompts(2), max_tokens=16)
+    ref = one_rank_trace(model, tiny_prompts(2), 16)
     tp = rank_pieces(index_model(model), RankLayout(rank=1, world=2, parallel="tp"))
     before = received(b)
     events = launch(pair, "pp", tmp_path / "pp.npz")
@@ -231,7 +235,9 @@ def test_pp2_fetches_its_stage_and_reuses_what_the_tp_shard_holds(pair, tmp_path
     assert not any("embed_tokens" in p.name or p.name.startswith("lm_head") for p in pp)
 
 
-def test_a_flipped_byte_is_detected_refetched_and_never_loaded(pair, tmp_path, monkeypatch):
+def test_a_flipped_byte_is_detected_refetched_and_never_loaded(
+    pair, tmp_path, monkeypatch, one_rank_trace
+):
     model, a, b, _ = pair
     b.weights.remove(RemoveShards())
     flipped = []
@@ -245,7 +251,7 @@ def test_a_flipped_byte_is_detected_refetched_and_never_loaded(pair, tmp_path, m
         return data
 
     monkeypatch.setattr(ModelSource, "chunk", flip_once)
-    ref = run_trace(model, tmp_path / "ref.npz", 1, prompts=tiny_prompts(2), max_tokens=16)
+    ref = one_rank_trace(model, tiny_prompts(2), 16)
     launch(pair, "tp", tmp_path / "tp.npz")
     assert flipped
     fetches = b.weights.cache()["fetches"].values()
@@ -432,12 +438,14 @@ def third(pair, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_node_fetches_what_a_peer_holds_from_that_peer(pair, third, tiny_models, tmp_path):
+def test_a_node_fetches_what_a_peer_holds_from_that_peer(
+    pair, third, tiny_models, tmp_path, one_rank_trace
+):
     """b holds TP rank 1's shard from an earlier plan; in a plan on b and c, c gets rank 1's
     pieces from b (checked against the source's hashes) while b fetches rank 0's from a."""
     _, a, b, coord = pair
     c, model = third, tiny_models["qwen3"]
-    ref = run_trace(model, tmp_path / "ref.npz", 1, prompts=tiny_prompts(2), max_tokens=16)
+    ref = one_rank_trace(model, tiny_prompts(2), 16)
     b_fetch = b.weights.start_fetch(
         FetchShards(
             model=str(model),

@@ -26,7 +26,7 @@ from testbed import Testbed, available, node_cmd, wait_until
 
 from thunderpool.cluster.client import AgentClient, AgentError
 from thunderpool.cluster.coordinator import ClusterInstance, Coordinator
-from thunderpool.cluster.transfer import encode
+from thunderpool.cluster.transfer import TIMEOUT_ENV, encode
 from thunderpool.cluster.weights_api import Locate, RemoveShards
 from thunderpool.engine.job import RankJob, TraceTask
 from thunderpool.models.source import default_gguf_path, resolve_model
@@ -36,6 +36,7 @@ pytestmark = [
     pytest.mark.timeout(900),
 ]
 TOKEN = "fabric-testbed-token"
+FETCH_TIMEOUT_S = 4  # host 3's fetches: the cut-link test waits out more than this
 # ~16 MB of float32: big enough that a TP2 shard takes seconds on a 8 Mbit/s link.
 CONFIG = {
     **TINY["llama"],
@@ -61,11 +62,13 @@ def make_checkpoint(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def hidden_node(bed: Testbed, i: int, tmp: Path, models: Path, *extra: str) -> list[str]:
+def hidden_node(
+    bed: Testbed, i: int, tmp: Path, models: Path, *extra: str, env: dict | None = None
+) -> list[str]:
     """Host i's agent in its own mount namespace where `models` and the embedded model's
     package are empty tmpfs: it has neither the test checkpoint nor SmolLM2."""
     cmd = node_cmd(bed, i, tmp, *extra)
-    cmd.insert(1, f"THUNDERPOOL_CACHE={tmp}/cache{i}")
+    cmd[1:1] = [f"THUNDERPOOL_CACHE={tmp}/cache{i}", *(f"{k}={v}" for k, v in (env or {}).items())]
     hide = [models, default_gguf_path().parent]
     mounts = " && ".join(f"mount -t tmpfs none {shlex.quote(str(d))}" for d in hide)
     inner = f"{mounts} && exec {shlex.join(cmd)}"
@@ -85,7 +88,8 @@ def bed(tmp_path_factory):
         coord = Coordinator([first], TOKEN)
         assert wait_until(lambda: _count(coord) == 1, timeout=60)
         for i in (2, 3):
-            cmd = hidden_node(bed, i, tmp, models, "--token", TOKEN, "--join", first)
+            env = {TIMEOUT_ENV: str(FETCH_TIMEOUT_S)} if i == 3 else {}
+            cmd = hidden_node(bed, i, tmp, models, "--token", TOKEN, "--join", first, env=env)
             bed.popen(i, cmd, stderr=subprocess.DEVNULL)
         assert wait_until(lambda: _count(coord) == 3, timeout=60)
         state = coord.probe(coord.discover())
@@ -204,7 +208,7 @@ def test_a_cut_link_pauses_the_fetch_which_resumes_and_the_instance_starts(
     assert wait_until(fetching, timeout=120)
     veth = b.host(3).veth
     b.run(3, ["ip", "link", "set", veth, "down"])
-    time.sleep(20)  # longer than a read timeout: the fetch's connections fail
+    time.sleep(2.5 * FETCH_TIMEOUT_S)  # longer than a read timeout: the fetch's GETs fail
     b.run(3, ["ip", "link", "set", veth, "up"])
     thread.join(600)
     assert "error" not in result, result.get("error")
@@ -218,12 +222,14 @@ def test_a_cut_link_pauses_the_fetch_which_resumes_and_the_instance_starts(
 
 
 @pytest.mark.parametrize("parallel", ["tp", "pp"])
-def test_the_embedded_model_over_two_hosts_matches_one_rank(bed, tmp_path, parallel):
+def test_the_embedded_model_over_two_hosts_matches_one_rank(
+    bed, tmp_path, parallel, one_rank_trace
+):
     """SmolLM2 (9 query / 3 KV heads: TP2 splits them unevenly; tied embedding), named as
     the user names it (no --model): host 1 imports it, host 2 receives its shard."""
     b = bed[0]
     local = resolve_model(None, progress=False)
-    ref = run_trace(local, tmp_path / "ref.npz", 1, prompts=tiny_prompts(2), max_tokens=16)
+    ref = one_rank_trace(local, tiny_prompts(2), 16)  # one launch for both layouts
     before = wire_bytes(b, 2)
     events = launch(bed, (1, 2), parallel, tmp_path / "out.npz", model="")
     np.testing.assert_array_equal(np.load(tmp_path / "out.npz")["tokens"], ref["tokens"])

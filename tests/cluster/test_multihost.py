@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import run_trace, tiny_prompts
+from conftest import tiny_prompts
 from testbed import AGENT_PORT as PORT
 from testbed import Testbed, available, node_cmd, wait_until
 
@@ -104,11 +104,11 @@ def test_planner_places_the_embedded_model(cluster):
 
 @pytest.mark.parametrize("parallel,hosts", [("tp", (1, 2)), ("pp", (1, 2, 3))])
 def test_generation_across_hosts_matches_one_process(
-    cluster, tiny_models, tmp_path, parallel, hosts
+    cluster, tiny_models, tmp_path, parallel, hosts, one_rank_trace
 ):
     bed, coord, _ = cluster
     prompts = tiny_prompts(2)
-    expected = run_trace(tiny_models["llama"], tmp_path / "ref.npz", 1, prompts=prompts)
+    expected = one_rank_trace(tiny_models["llama"], prompts)
     state = coord.probe(coord.discover())
     ids = by_ip(state)
     order = [ids[bed.host(i).ip] for i in hosts]

@@ -10,6 +10,11 @@ tokens (teacher forcing), so every step compares the same logits. Multi-rank:
 
 from __future__ import annotations
 
+import thunderpool
+
+if __name__ == "__main__":  # this rank program, not a test importing it
+    thunderpool.hide_torch()
+
 import json
 import sys
 from pathlib import Path

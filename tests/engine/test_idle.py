@@ -25,7 +25,7 @@ from serving import serving
 
 from thunderpool.engine.loader import read_config
 
-IDLE_S = 6.0  # a busy-polling rank shows ~100% of a core over any window, 10x the bound
+IDLE_S = 3.0  # a busy-polling rank shows ~100% of a core over any window, 10x the bound
 MAX_TOKENS = 12
 PROMPT = "Question 3: what comes after 21?"
 MORE = [f"Question {i}: what comes after {i * 7}?" for i in (0, 1, 2)]

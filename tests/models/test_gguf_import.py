@@ -47,22 +47,8 @@ def smol_dir(smol_gguf, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gguf_link_dir(smol_gguf, tmp_path_factory) -> Path:
-    """transformers wants (dir, gguf_file=name); link the packaged file into a dir of its own."""
-    d = tmp_path_factory.mktemp("gguf")
-    (d / smol_gguf.name).symlink_to(smol_gguf)
-    return d
-
-
-@pytest.fixture(scope="session")
-def hf_model(gguf_link_dir, smol_gguf):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers needs it to load GGUF weights
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_link_dir, gguf_file=smol_gguf.name, dtype=torch.float32
-    )
-    return model.eval()
+def hf_model(smollm2_transformers):
+    return smollm2_transformers[0]
 
 
 def test_config_matches_smollm2(smol_dir):
@@ -93,10 +79,9 @@ def test_config_matches_smollm2(smol_dir):
 
 
 @pytest.mark.reference
-def test_tokenizer_matches_transformers_gguf(smol_dir, gguf_link_dir, smol_gguf):
+def test_tokenizer_matches_transformers_gguf(smol_dir, smollm2_transformers):
     transformers = pytest.importorskip("transformers")
-    pytest.importorskip("torch")  # transformers' GGUF reader imports torch
-    ref = transformers.AutoTokenizer.from_pretrained(gguf_link_dir, gguf_file=smol_gguf.name)
+    ref = smollm2_transformers[1]
     ours = transformers.AutoTokenizer.from_pretrained(smol_dir)
     for text in TEXTS:
         assert ours(text).input_ids == ref(text).input_ids, text

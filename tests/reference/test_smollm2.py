@@ -30,22 +30,28 @@ def smollm2():
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2):
-    """transformers' own GGUF loader; greedy decoding by full forward at every step."""
-    gguf, _ = smollm2
-    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+def reference(smollm2_transformers):
+    """transformers' own GGUF loader (shared with the GGUF import's tests); greedy decoding on
+    its KV cache, checked against one full forward of the whole sequence: each token must be
+    the argmax at the position before it, which is what full-forward greedy decoding picks
+    (causal attention), at 1 forward per prompt instead of one per token."""
+    model, tok, _, _ = smollm2_transformers
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
+    import inspect
+
+    # transformers 5 names the cache argument `cache`, 4.x `past_key_values`.
+    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     outputs = []
     with torch.no_grad():
         for ids in prompts:
-            seq = list(ids)
+            cache, step, toks = transformers.DynamicCache(), list(ids), []
             for _ in range(STEPS):
-                logits = model(torch.tensor([seq])).logits[0, -1]
-                seq.append(int(logits.argmax()))
-            outputs.append(seq[len(ids) :])
+                logits = model(torch.tensor([step]), use_cache=True, **{arg: cache}).logits
+                step = [int(logits[0, -1].argmax())]
+                toks += step
+            full = model(torch.tensor([ids + toks[:-1]])).logits[0, len(ids) - 1 :]
+            assert full.argmax(-1).tolist() == toks
+            outputs.append(toks)
     return prompts, np.array(outputs), tok
 
 

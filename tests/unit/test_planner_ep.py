@@ -172,3 +172,33 @@ def test_replicate_experts_reads_the_counts_next_to_the_model(tmp_path, capsys):
     assert plan_replicas({1: counts.popularity(1)}, [2, 2], 1) == ((1, 2, 0),)
     assert main(["generate", "--replicate-experts", "1", "--prompt", "x"]) == 2
     assert "--replicate-experts copies experts for --parallel ep" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--parallel", "ep", "--nodes", "1", "--prompt", "x"],
+        ["serve", "--parallel", "ep", "--nodes", "1"],
+        ["bench", "--modes", "ep", "--nodes", "1"],
+    ],
+)
+def test_replicate_experts_on_one_rank_is_refused(argv, capsys):
+    # One rank has no other EP rank to copy experts to: refused before any model is read.
+    from thunderpool.cli import main
+
+    assert main([*argv, "--replicate-experts", "3"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--replicate-experts 3 copies experts between expert-parallel ranks" in err
+    assert "--nodes 1 runs one rank" in err and "use --nodes 2 or more" in err
+
+
+def test_replicate_experts_on_two_ranks_or_a_planned_cluster_passes_the_check():
+    from argparse import Namespace
+
+    from thunderpool.cli_flags import check_replication
+
+    check_replication(Namespace(replicate_experts=1, nodes=None, cluster=False))  # 2 locally
+    check_replication(Namespace(replicate_experts=1, nodes=2, cluster=False))
+    check_replication(Namespace(replicate_experts=1, nodes=(1, 2)))  # bench's list
+    check_replication(Namespace(replicate_experts=1, nodes=None, cluster=True))  # the planner's
+    check_replication(Namespace(replicate_experts=None, nodes=1, cluster=False))

@@ -43,6 +43,9 @@ from thunderpool.errors import ThunderpoolError
 log = logging.getLogger("thunderpool.transfer")
 WEIGHTS_FILE = "model.safetensors"
 STALL_S = 120.0  # no verified chunk for this long: the source or the link is gone
+# Seconds a GET to a source may wait (connect, each read) before it is retried; the
+# environment can shorten it (the testbed's cut-link test waits it out).
+TIMEOUT_ENV, TIMEOUT_S = "THUNDERPOOL_FETCH_TIMEOUT_S", 15.0
 _RESERVED = {WEIGHTS_FILE, "chunks.log", "plan.bin", SHARD_MANIFEST}
 MAX_CORRUPT = 5  # the same chunk failing its hash this often: the source itself is bad
 
@@ -127,9 +130,10 @@ class Progress:
 class SourceClient:
     """Signed GETs to the agents that serve the model, moving to the next one on failure."""
 
-    def __init__(self, sources: list[str], token: str, timeout: float = 15.0):
+    def __init__(self, sources: list[str], token: str, timeout: float | None = None):
         if not sources:
             raise FetchError("no source to fetch the model from")
+        timeout = timeout or float(os.environ.get(TIMEOUT_ENV, TIMEOUT_S))
         self.sources, self.token, self.timeout = list(sources), token, timeout
         self._local = threading.local()
         self._turn = 0
