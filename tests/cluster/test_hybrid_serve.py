@@ -14,13 +14,12 @@ step: at the agents' default rates (not measured) the planner predicts hybrid ~3
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import httpx
 import pytest
 from conftest import make_tiny_chat
 from testbed import AGENT_PORT as PORT
-from testbed import Testbed, available, node_cmd, wait_until
+from testbed import Testbed, available, cluster_serve, healthy, node_cmd, wait_until
 
 from thunderpool.cluster.client import AgentError
 from thunderpool.cluster.coordinator import Coordinator
@@ -80,13 +79,6 @@ def cluster_info() -> dict:
     return httpx.get(f"{URL}/v1/cluster", timeout=10).json()
 
 
-def ready() -> bool:
-    try:
-        return httpx.get(f"{URL}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     home = tmp_path_factory.mktemp("hybrid-serve")
@@ -106,28 +98,9 @@ def served(tmp_path_factory):
         reference = one_process(model, PROMPT, MAX_TOKENS)  # while the agents start
         coord = Coordinator([first], TOKEN)
         assert wait_until(lambda: _known(coord) == 4, timeout=90, interval=0.5)
-        log = open(home / "serve.log", "w")  # noqa: SIM115 - closed at teardown
-        serve = subprocess.Popen(
-            [
-                *("env", f"THUNDERPOOL_HOME={home}/serve", sys.executable, "-m"),
-                *("thunderpool", "serve", "--cluster", "--join", first, "--token", TOKEN),
-                *("--model", str(model), "--nodes", "4", "--port", str(API_PORT)),
-            ],
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
-        try:
-            up = wait_until(lambda: ready() or serve.poll() is not None, timeout=240, interval=0.5)
-            assert up and serve.poll() is None, (home / "serve.log").read_text()
+        args = ("--join", first, "--token", TOKEN, "--model", str(model), "--nodes", "4")
+        with cluster_serve(home, URL, *args):
             yield bed, agents, reference, home / "serve.log"
-        finally:
-            serve.terminate()
-            try:
-                serve.wait(20)
-            except subprocess.TimeoutExpired:
-                serve.kill()
-            log.close()
 
 
 @pytest.mark.slow
@@ -147,7 +120,9 @@ def test_planner_picks_hybrid_across_islands_and_replans_after_a_loss(served):
     victim = next(i for i in stages[1] if i != 1)
     agents[victim].kill()
     assert wait_until(
-        lambda: ready() and cluster_info()["instance"]["generation"] == 2, timeout=180, interval=0.5
+        lambda: healthy(URL) and cluster_info()["instance"]["generation"] == 2,
+        timeout=180,
+        interval=0.5,
     ), log.read_text()
     after = cluster_info()
     # No 4-node plan is left; the best of any kind is TP over the intact island (its fast link

@@ -16,14 +16,13 @@ import concurrent.futures
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 from testbed import AGENT_PORT as PORT
-from testbed import Testbed, available, node_cmd, wait_until
+from testbed import Testbed, available, cluster_serve, healthy, node_cmd, wait_until
 
 from thunderpool.cluster.client import AgentError
 from thunderpool.cluster.coordinator import Coordinator
@@ -74,13 +73,6 @@ def cluster_info() -> dict:
     return httpx.get(f"{URL}/v1/cluster", timeout=10).json()
 
 
-def ready() -> bool:
-    try:
-        return httpx.get(f"{URL}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_chat):
     home = tmp_path_factory.mktemp("recovery")
@@ -98,30 +90,10 @@ def served(tmp_path_factory, tiny_chat):
                 stderr=subprocess.DEVNULL,
             )
         assert wait_until(lambda: _known(coord) == 3, timeout=60, interval=0.5)
-        log = open(home / "serve.log", "w")  # noqa: SIM115 - closed at teardown
-        serve = subprocess.Popen(
-            [
-                *("env", f"THUNDERPOOL_HOME={home}/serve", sys.executable, "-m"),
-                *("thunderpool", "serve", "--cluster", "--join", first, "--token", TOKEN),
-                *("--model", str(tiny_chat), "--parallel", "pp", "--nodes", "2"),
-                *("--max-batch", "1", "--port", str(API_PORT)),
-            ],
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
-        try:
-            up = wait_until(lambda: ready() or serve.poll() is not None, timeout=240, interval=0.5)
-            assert up and serve.poll() is None, (home / "serve.log").read_text()
+        args = ("--join", first, "--token", TOKEN, "--model", str(tiny_chat), "--parallel", "pp")
+        with cluster_serve(home, URL, *args, "--nodes", "2", "--max-batch", "1") as serve:
             reference = {p: complete(p) for p in (SHORT, "What is two plus two?")}
             yield bed, home, agents, reference, serve
-        finally:
-            serve.terminate()
-            try:
-                serve.wait(20)
-            except subprocess.TimeoutExpired:
-                serve.kill()
-            log.close()
 
 
 LOST: list[int] = []  # the host whose agent was killed, for the rejoin test
@@ -173,7 +145,7 @@ def _lose_during_stream(served, lose) -> dict:
     streaming.result(timeout=30)  # the stream ends (error event, connection closed): no hang
     ended_s = time.monotonic() - lost_at
     # The loss is known once /health stops saying ok; from then on new requests get 503.
-    assert wait_until(lambda: not ready(), timeout=10)
+    assert wait_until(lambda: not healthy(URL), timeout=10)
     during = httpx.post(
         f"{URL}/v1/completions",
         json={"model": "tiny-chat", "prompt": "x", "max_tokens": 2},
@@ -181,7 +153,7 @@ def _lose_during_stream(served, lose) -> dict:
     )
     text = queued.result(timeout=240)
     pool.shutdown()
-    assert wait_until(ready, timeout=60, interval=0.5)
+    assert wait_until(lambda: healthy(URL), timeout=60, interval=0.5)
     print(f"stream ended {ended_s:.2f} s after the loss; serving again after "
           f"{time.monotonic() - lost_at:.1f} s")  # fmt: skip
     after = cluster_info()["instance"]
@@ -271,7 +243,7 @@ def test_a_node_that_comes_back_rejoins_and_a_replan_uses_it(served):
     r = httpx.post(f"{URL}/v1/admin/replan", timeout=10)
     assert r.status_code == 202
     assert wait_until(
-        lambda: ready() and cluster_info()["instance"]["generation"] == generation + 1,
+        lambda: healthy(URL) and cluster_info()["instance"]["generation"] == generation + 1,
         timeout=120,
         interval=0.5,
     )

@@ -15,7 +15,7 @@ import sys
 import httpx
 import pytest
 from testbed import AGENT_PORT as PORT
-from testbed import Testbed, available, node_cmd, wait_until
+from testbed import Testbed, available, cluster_serve, node_cmd, wait_until
 
 from thunderpool.cluster.client import AgentError
 from thunderpool.cluster.coordinator import Coordinator
@@ -56,36 +56,9 @@ def served(tmp_path_factory, tiny_chat):
         assert wait_until(lambda: _known(coord) == 2, timeout=60, interval=0.5)
         bed.rate_limit(2, "200mbit")
         bed.add_delay(2, 5)
-        log = open(home / "serve.log", "w")  # noqa: SIM115 - closed at teardown
-        serve = subprocess.Popen(
-            [
-                *("env", f"THUNDERPOOL_HOME={home}/serve", sys.executable, "-m"),
-                *("thunderpool", "serve", "--cluster", "--join", first, "--token", TOKEN),
-                *("--model", str(tiny_chat), "--parallel", "pp", "--nodes", "2"),
-                *("--port", url.rsplit(":", 1)[1]),
-            ],
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
-
-        def ready() -> bool:
-            try:
-                return httpx.get(f"{url}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        try:
-            up = wait_until(lambda: ready() or serve.poll() is not None, timeout=300, interval=0.5)
-            assert up and serve.poll() is None, (home / "serve.log").read_text()
+        args = ("--join", first, "--token", TOKEN, "--model", str(tiny_chat), "--parallel", "pp")
+        with cluster_serve(home, url, *args, "--nodes", "2", timeout=300):
             yield bed, coord, url, first
-        finally:
-            serve.terminate()
-            try:
-                serve.wait(20)
-            except subprocess.TimeoutExpired:
-                serve.kill()
-            log.close()
 
 
 def status_links(first: str) -> list[dict]:

@@ -10,6 +10,7 @@ Only names starting with the prefix and addresses in 10.213.0.0/16 are ever crea
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import select
@@ -336,3 +337,40 @@ def node_cmd(bed: Testbed, i: int, home: Path, *extra: str) -> list[str]:
         "--no-measure",
         *extra,
     ]
+
+
+def healthy(url: str) -> bool:
+    """Whether the server at `url` answers /health with 200 (serving a model)."""
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextlib.contextmanager
+def cluster_serve(home: Path, url: str, *args: str, timeout: float = 240.0):
+    """`thunderpool serve --cluster ARGS --port (url's)` in this process's namespace, logged to
+    home/serve.log; yields the process once `url`/health answers 200, stops it on exit."""
+    log = open(home / "serve.log", "w")  # noqa: SIM115 - closed on exit
+    serve = subprocess.Popen(
+        [
+            *("env", f"THUNDERPOOL_HOME={home}/serve", sys.executable, "-m"),
+            *("thunderpool", "serve", "--cluster", *args, "--port", url.rsplit(":", 1)[1]),
+        ],
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
+    try:
+        up = wait_until(lambda: healthy(url) or serve.poll() is not None, timeout, 0.5)
+        assert up and serve.poll() is None, (home / "serve.log").read_text()
+        yield serve
+    finally:
+        serve.terminate()
+        try:
+            serve.wait(20)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+        log.close()

@@ -150,48 +150,47 @@ def build_lazy(model_dir: Path) -> tuple[nn.Module, dict]:
         raise ModelError(f"cannot build the model in {model_dir}: {e}") from e
 
 
+def _sanitizing(get_classes, prepare):
+    """mlx-lm's model classes (from `get_classes`), whose sanitize() first runs
+    `prepare(config)` on the stored weights; `prepare(config)` None keeps the class as it is."""
+
+    def classes(config: dict):
+        model_cls, args_cls = get_classes(config)
+        if (first := prepare(config)) is None:
+            return model_cls, args_cls
+
+        def sanitize(self, weights: dict) -> dict:
+            weights = first(weights)
+            base = getattr(model_cls, "sanitize", None)
+            return base(self, weights) if base is not None else weights
+
+        wrapped = type(model_cls.__name__, (model_cls,), {"sanitize": sanitize})
+        wrapped.__module__ = model_cls.__module__  # families are named by their module
+        return wrapped, args_cls
+
+    return classes
+
+
 def _without_mtp(get_classes=_get_classes):
     """mlx-lm's model classes, whose sanitize() also drops the multi-token-prediction layers
     stored after the model's own (model.layers.{n}, ...): deepseek_v3's drops only layer 61,
     whatever the layer count. The leader's MTP draft reads them itself (engine/mtp.py)."""
 
-    def classes(config: dict):
-        model_cls, args_cls = get_classes(config)
+    def prepare(config: dict):
         n, extra = config.get("num_hidden_layers"), config.get("num_nextn_predict_layers")
         if not (n and extra):
-            return model_cls, args_cls
+            return None
         drop = tuple(f"model.layers.{n + i}." for i in range(int(extra)))
+        return lambda weights: {k: v for k, v in weights.items() if not k.startswith(drop)}
 
-        def sanitize(self, weights: dict) -> dict:
-            weights = {k: v for k, v in weights.items() if not k.startswith(drop)}
-            base = getattr(model_cls, "sanitize", None)
-            return base(self, weights) if base is not None else weights
-
-        kept = type(model_cls.__name__, (model_cls,), {"sanitize": sanitize})
-        kept.__module__ = model_cls.__module__  # families are named by their module
-        return kept, args_cls
-
-    return classes
+    return _sanitizing(get_classes, prepare)
 
 
 def _padding(slices: dict, model_dir: Path):
     """mlx-lm's model classes, whose sanitize() first pads each pre-sliced stored tensor
     back to its full shape at its offset (lazily): the usual shard() then cuts out exactly
     the rows or columns that were fetched, whatever sanitize() renames or stacks (experts)."""
-
-    def classes(config: dict):
-        model_cls, args_cls = _get_classes(config)
-
-        def sanitize(self, weights: dict) -> dict:
-            weights = _unslice(weights, slices, model_dir)
-            base = getattr(model_cls, "sanitize", None)
-            return base(self, weights) if base is not None else weights
-
-        padded = type(model_cls.__name__, (model_cls,), {"sanitize": sanitize})
-        padded.__module__ = model_cls.__module__  # families are named by their module
-        return padded, args_cls
-
-    return classes
+    return _sanitizing(_get_classes, lambda config: lambda w: _unslice(w, slices, model_dir))
 
 
 def _unslice(weights: dict, slices: dict, model_dir: Path) -> dict:
