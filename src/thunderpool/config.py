@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from thunderpool.errors import ThunderpoolError
+
 TOKEN_ENV = "THUNDERPOOL_TOKEN"
 
 
@@ -42,3 +44,17 @@ def host_id_from_env() -> str | None:
 def blas_choice() -> str:
     """THUNDERPOOL_BLAS: "auto" (default), "reference" (the wheel's own), or a library path."""
     return os.environ.get("THUNDERPOOL_BLAS", "auto")
+
+
+def decode_ways() -> int | None:
+    """THUNDERPOOL_DECODE_WAYS: the CPU streams a compiled decode step splits its one-row
+    products over (engine/rowsplit.py); None (unset or "auto") means one per core."""
+    value = os.environ.get("THUNDERPOOL_DECODE_WAYS", "auto").strip()
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ThunderpoolError(
+            f"THUNDERPOOL_DECODE_WAYS={value!r} is not a positive whole number; "
+            "unset it or set it to auto (one per core) or e.g. 1 (no split)"
+        )
+    return int(value)

@@ -90,15 +90,38 @@ def test_fused_weights_are_views_and_unfused_compile_still_equal(family_dirs, mo
     q_bytes = attn.q_proj.weight.nbytes  # k's rows follow q's in the fused weight
     assert address(attn.k_proj.weight) == address(layer.qkv.weight) + q_bytes
     assert address(attn.q_proj.bias) == address(layer.qkv.bias)
-    monkeypatch.setattr(compiled.fused, "build", lambda model, local=None: None)
+    monkeypatch.setattr(compiled.fused, "build", lambda model, local=None, ways=1: None)
     runner, _, _ = load_shard(family_dirs["llama"], group, Layout(compile=True))
     reference, _, _ = load_shard(family_dirs["llama"], group, Layout(compile=False))
     assert runner.compiled is not None and not fused(runner)
     check(compare(runner, reference), True)
 
 
-def test_fused_quantized_equals_eager(family_dirs):
-    """4-bit llama: q|k|v and gate|up fused with their scales and biases."""
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])  # qwen3: q/k norms between the parts
+@pytest.mark.parametrize("ways", [1, 2, 3])
+def test_products_split_over_streams_equal_eager(kind, ways, family_dirs, monkeypatch):
+    """Each projection's and the head's rows in `ways` parts on their own CPU streams
+    (engine/rowsplit.py; 3 leaves uneven parts): the same logits as eager, the parts views
+    of the one weight."""
+    monkeypatch.setenv("THUNDERPOOL_DECODE_WAYS", str(ways))
+    group = mx.distributed.init()
+    runner, _, _ = load_shard(family_dirs[kind], group, Layout(compile=True))
+    reference, _, _ = load_shard(family_dirs[kind], group, Layout(compile=False))
+    layer = runner.compiled.fused.layers[0]
+    assert runner.ways == ways and len(layer.gate_up.parts) == (ways if ways > 1 else 0)
+    assert (runner.head is not None) == (ways > 1)
+    if ways > 1:
+        address = lambda a: np.asarray(a).__array_interface__["data"][0]  # noqa: E731
+        first = layer.qkv.parts[0].weight
+        assert address(layer.qkv.parts[1].weight) == address(layer.qkv.weight) + first.nbytes
+        rows = [p.weight.shape[0] for p in runner.head.parts]
+        assert sum(rows) == runner.head.weight.shape[0] and min(rows) > 0
+    check(compare(runner, reference), True)
+
+
+def test_fused_quantized_equals_eager(family_dirs, monkeypatch):
+    """4-bit llama: q|k|v and gate|up fused with their scales and biases, split in two."""
+    monkeypatch.setenv("THUNDERPOOL_DECODE_WAYS", "2")
     group = mx.distributed.init()
     runners = []
     for compile in (True, False):
@@ -106,6 +129,7 @@ def test_fused_quantized_equals_eager(family_dirs):
         nn.quantize(loaded.model, group_size=32, bits=4)  # deterministic: alike both times
         runners.append(Runner(loaded.model, group, None, compile=compile))
     assert fused(runners[0]) and "scales" in runners[0].model.layers[0].self_attn.q_proj
+    assert len(runners[0].compiled.fused.layers[0].qkv.parts) == 2
     check(compare(*runners), True)
 
 
@@ -116,7 +140,8 @@ def test_no_compile_stays_eager(family_dirs):
 
 
 @pytest.mark.slow
-def test_tp2_and_pp2_compiled_equal_eager(family_dirs, tmp_path):
+def test_tp2_and_pp2_compiled_equal_eager(family_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("THUNDERPOOL_DECODE_WAYS", "2")  # each rank splits its products too
     layouts = {
         "tp": {k: str(family_dirs[k]) for k in TP2},
         "pp": {k: str(family_dirs[k]) for k in PP2},
@@ -160,9 +185,10 @@ def _run_ranks(spec: dict, nodes: int, tmp: Path, timeout: float = 300.0) -> dic
     return json.loads(out_file.read_text())
 
 
-def test_compiled_step_dispatches_fewer_kernels(family_dirs):
+def test_compiled_step_dispatches_fewer_kernels(family_dirs, monkeypatch):
     from thunderpool.bench.graph_ops import decode_step_ops
 
+    monkeypatch.setenv("THUNDERPOOL_DECODE_WAYS", "1")
     runner, _, _ = load_shard(family_dirs["llama"], mx.distributed.init(), Layout(compile=True))
     eager, comp = decode_step_ops(runner, False), decode_step_ops(runner, True)
     layers = len(runner.model.layers)
@@ -171,3 +197,10 @@ def test_compiled_step_dispatches_fewer_kernels(family_dirs):
     assert matmuls(eager) == 9 * layers + 1 and matmuls(comp) == 6 * layers + 1
     # Ops per token at least halved, kernels and graph nodes alike.
     assert 2 * comp["kernels"] <= eager["kernels"] and 2 * comp["total"] <= eager["total"]
+    # Split in two, each of the 4 products per layer and the head is 2 matmuls and a concat.
+    monkeypatch.setenv("THUNDERPOOL_DECODE_WAYS", "2")
+    runner, _, _ = load_shard(family_dirs["llama"], mx.distributed.init(), Layout(compile=True))
+    split = decode_step_ops(runner, True)
+    assert matmuls(split) == 2 * layers + 2 * (4 * layers + 1)
+    assert split["by_op"].get("Concatenate", 0) >= 4 * layers + 1
+    assert 2 * split["kernels"] <= eager["kernels"]

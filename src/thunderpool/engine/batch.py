@@ -10,11 +10,10 @@ row a different rejected tail: `trim_rows` cuts them (batch rows stay right-alig
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, dynamic_roll
 
+from thunderpool.engine.rowsplit import own_cores
 from thunderpool.engine.runner import Runner
 
 
@@ -26,13 +25,6 @@ def overlaps(runner: Runner) -> bool:
     stall then holds up the other at the next all_sum."""
     gpu = mx.default_device().type == mx.DeviceType.gpu
     return gpu or runner.size == 1 or runner.stage is not None or own_cores() > 1
-
-
-def own_cores() -> int:
-    """The cores this process may run on (mpirun --bind-to core and pinned ranks: one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def trim_rows(cache: list, trims: list[int]) -> None:

@@ -88,6 +88,7 @@ def build(
     model: nn.Module,
     finish: Callable[[mx.array], mx.array | None],
     stage: PipelineStage | None = None,
+    ways: int = 1,
 ) -> CompiledDecode | None:
     """The compiled step of a runner: on one rank or TP, tokens (B, 1) through a one-token
     forward then `finish` (the runner's head); on a PP stage, the received hidden state
@@ -95,7 +96,7 @@ def build(
     stage). The forward is the fused one (engine/fused.py) where the model's structure allows,
     else mlx-lm's own; a PP stage compiles only the fused one (None otherwise)."""
     # Fuses the projections' weights in place (the modules keep views).
-    run = fused.build(model, stage.local if stage is not None else None)
+    run = fused.build(model, stage.local if stage is not None else None, ways)
     if stage is not None:
         if run is None:
             return None

@@ -17,18 +17,21 @@ sliding windows) keeps mlx-lm's forward (`fusable` is False).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
+
+from thunderpool.engine import rowsplit
 
 FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
 
 
 @dataclass(frozen=True, slots=True)
 class Projection:
-    """The arrays of one (possibly quantized, possibly fused) projection."""
+    """The arrays of one (possibly quantized, possibly fused) projection; `parts`, where set,
+    are row slices of it multiplied on one CPU stream each (engine/rowsplit.py)."""
 
     weight: mx.array
     scales: mx.array | None = None
@@ -37,26 +40,58 @@ class Projection:
     group_size: int = 0
     bits: int = 0
     mode: str = "affine"
+    parts: tuple[Projection, ...] = ()
 
     def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
         """x @ W.T (+ bias) (+ residual); a single addend goes into the matmul (addmm)."""
-        if self.scales is None and (self.bias is None) != (residual is None):
-            return mx.addmm(self.bias if residual is None else residual, x, self.weight.T)
-        if self.scales is not None:
-            y = mx.quantized_matmul(
-                x,
-                self.weight,
-                scales=self.scales,
-                biases=self.biases,
-                transpose=True,
-                group_size=self.group_size,
-                bits=self.bits,
-                mode=self.mode,
+        if self.parts:
+            ss = rowsplit.streams(len(self.parts))
+            y = mx.concatenate(
+                [p.product(x, s) for p, s in zip(self.parts, ss, strict=True)], axis=-1
             )
+        elif self.scales is None and (self.bias is None) != (residual is None):
+            return mx.addmm(self.bias if residual is None else residual, x, self.weight.T)
         else:
-            y = x @ self.weight.T
+            y = self.product(x)
         y = y + self.bias if self.bias is not None else y
         return residual + y if residual is not None else y
+
+    def product(self, x: mx.array, stream: mx.Stream | None = None) -> mx.array:
+        """x @ W.T, quantized or not, on `stream` (the default one if None)."""
+        if self.scales is None:
+            return mx.matmul(x, self.weight.T, stream=stream)
+        return mx.quantized_matmul(
+            x,
+            self.weight,
+            scales=self.scales,
+            biases=self.biases,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            stream=stream,
+        )
+
+    def split(self, ways: int) -> Projection:
+        """This projection with its output rows in `ways` parts (views, no copy); itself where
+        that leaves one part."""
+        cuts = rowsplit.bounds(self.weight.shape[0], ways)
+        if len(cuts) < 2:
+            return self
+        q = {n: getattr(self, n) for n in ("group_size", "bits", "mode")}
+        parts = tuple(
+            Projection(
+                **{
+                    n: getattr(self, n)[a:b]
+                    for n in ("weight", "scales", "biases")
+                    if getattr(self, n) is not None
+                },
+                **q,
+            )
+            for a, b in cuts
+        )
+        mx.eval([p.weight for p in parts])
+        return replace(self, parts=parts)
 
 
 _ARRAYS = ("weight", "scales", "biases", "bias")
@@ -210,10 +245,10 @@ class FusedForward:
         return layer.down(y, h) if layer.down is not None else h + m.mlp.down_proj(y)
 
 
-def build(model: nn.Module, local: range | None = None) -> FusedForward | None:
+def build(model: nn.Module, local: range | None = None, ways: int = 1) -> FusedForward | None:
     """Fuses the projections of `model` (this rank's shards; of its `local` layers on a PP
-    stage) and returns its fused forward; None, leaving the values as they were, where its
-    structure is not the one above."""
+    stage) and returns its fused forward, each product split over `ways` CPU streams; None,
+    leaving the values as they were, where its structure is not the one above."""
     inner = getattr(model, "model", None)
     args = getattr(model, "args", None)
     if getattr(args, "model_type", None) not in FAMILIES or inner is None:
@@ -248,13 +283,14 @@ def build(model: nn.Module, local: range | None = None) -> FusedForward | None:
         gate_up = fuse([mlp.gate_proj, mlp.up_proj]) if dense else None
         inter = mlp.gate_proj.weight.shape[0] if gate_up is not None else 0
         mx.clear_cache()  # hand the unfused arrays' memory back layer by layer
+        o, down = _linear(attn.o_proj), _linear(mlp.down_proj) if gate_up is not None else None
         layers.append(
             Layer(
                 module=layer,
-                qkv=qkv,
-                o=_linear(attn.o_proj),
-                gate_up=gate_up,
-                down=_linear(mlp.down_proj) if gate_up is not None else None,
+                qkv=qkv.split(ways),
+                o=o.split(ways) if o is not None else None,
+                gate_up=gate_up.split(ways) if gate_up is not None else None,
+                down=down.split(ways) if down is not None else None,
                 n_heads=H,
                 n_kv=K,
                 inter=inter,
@@ -262,3 +298,24 @@ def build(model: nn.Module, local: range | None = None) -> FusedForward | None:
         )
     _, _, _, _, _, _, d, inv = plans[0]
     return FusedForward(model, layers, inv, d)
+
+
+def head(model: nn.Module, ways: int) -> Projection | None:
+    """The output head as a projection split over `ways` CPU streams: a plain lm_head, or the
+    tied embedding (as_linear is x @ E.T); None where it is anything else (a TP-split head)
+    or where `ways` is 1."""
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is None:
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if type(embed).__name__ not in ("Embedding", "QuantizedEmbedding"):
+            return None
+        lm_head = embed
+    elif not _plain(lm_head):
+        return None
+    q = (
+        dict(zip(("group_size", "bits", "mode"), _quant(lm_head), strict=True))
+        if "scales" in lm_head
+        else {}
+    )
+    whole = Projection(**{n: lm_head[n] for n in _names(lm_head)}, **q)
+    return whole.split(ways) if ways > 1 else None

@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from thunderpool.engine import compiled
+from thunderpool.engine import compiled, fused, rowsplit
 from thunderpool.parallel.pipeline import PipelineStage
 from thunderpool.parallel.vocab import has_split_head
 
@@ -33,16 +33,22 @@ class Runner:
         # TP ranks each project onto their part of the vocabulary, then all_gather the logits
         # (hybrid: stage 0's group, the only one that holds the head).
         self.every_rank_projects = has_split_head(model) and (stage is None or stage.rank == 0)
-        # Decode steps replay one compiled graph where that is proven equal (engine/compiled.py).
-        self.compiled = None
+        # Decode steps replay one compiled graph where that is proven equal (engine/compiled.py),
+        # its products split over a CPU rank's cores (engine/rowsplit.py).
+        self.compiled, self.ways, self.head = None, 1, None
         if compile and compiled.supports(model):
-            self.compiled = compiled.build(model, self._finish, stage)
+            self.ways = rowsplit.ways()
+            self.compiled = compiled.build(model, self._finish, stage, self.ways)
+        if self.compiled is not None and not has_split_head(model):
+            self.head = fused.head(model, self.ways)
 
     def make_cache(self) -> list:
         return make_prompt_cache(self.model)
 
     def forward(self, tokens: mx.array, cache: list) -> mx.array | None:
         """tokens (B, L) -> logits (B, V) on the leader; on followers, what must be evaluated."""
+        if self.compiled is not None:
+            rowsplit.blas_threads(one_row=False)
         if self.stage is not None:
             h = self.stage.forward(tokens, cache, last_only=not self.every_position)
             return self._finish(h)
@@ -51,6 +57,7 @@ class Runner:
     def decode(self, tokens: mx.array, cache: list) -> mx.array | None:
         """One step of tokens (B, 1): `forward`, compiled where the model and cache allow."""
         if self.compiled is not None and compiled.eligible(cache) and not self.keep_hidden:
+            rowsplit.blas_threads(one_row=True)
             if self.stage is not None:
                 return self._finish(self.stage.decode(tokens, cache, self.compiled.decode))
             return self.compiled.decode(tokens, cache)
@@ -70,6 +77,8 @@ class Runner:
     def verify(self, tokens: mx.array, cache: list) -> mx.array | None:
         """tokens (B, L) -> logits (B, L, V) of every position on the leader (a speculative
         verify step); on followers, what must be evaluated."""
+        if self.compiled is not None:
+            rowsplit.blas_threads(one_row=False)
         if self.stage is not None:
             h = self.stage.forward(tokens, cache, last_only=False)
         else:
@@ -83,7 +92,10 @@ class Runner:
     def project(self, h: mx.array) -> mx.array:
         """The output head; tied models reuse the embedding matrix."""
         head = getattr(self.model, "lm_head", None)
-        logits = head(h) if head is not None else self.model.model.embed_tokens.as_linear(h)
+        if self.head is not None:  # the same product, split over the cores
+            logits = self.head(h)
+        else:
+            logits = head(h) if head is not None else self.model.model.embed_tokens.as_linear(h)
         # Gemma-2-style models soft-cap their logits inside Model.__call__, which we bypass.
         cap = getattr(getattr(self.model, "args", None), "final_logit_softcapping", None)
         return mx.tanh(logits / cap) * cap if cap else logits
