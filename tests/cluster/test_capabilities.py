@@ -199,10 +199,10 @@ def test_pinned_speed_is_measured_as_a_pinned_rank_runs(monkeypatch):
 
     def fake_run(argv, env, **kw):
         seen.update(argv=argv, env=env)
-        return subprocess.CompletedProcess(argv, 0, stdout="4e9 2e9 6e10 3e-05\n")
+        return subprocess.CompletedProcess(argv, 0, stdout="4e9 2e9 6e10 3e-05 0\n")
 
     monkeypatch.setattr(capabilities.subprocess, "run", fake_run)
-    assert capabilities.measure_rank_speed(2**24, core=1) == (4e9, 2e9, 6e10, 3e-05)
+    assert capabilities.measure_rank_speed(2**24, core=1) == (4e9, 2e9, 6e10, 3e-05, 0)
     assert seen["argv"][-2:] == [str(2**24), "1"]
     env = seen["env"]
     assert env["OPENBLAS_NUM_THREADS"] == env["BLIS_NUM_THREADS"] == "1"
@@ -212,7 +212,13 @@ def test_pinned_speed_is_measured_as_a_pinned_rank_runs(monkeypatch):
         raise subprocess.TimeoutExpired(argv, 120)
 
     monkeypatch.setattr(capabilities.subprocess, "run", failing)
-    assert capabilities.measure_rank_speed(2**24, core=1) == (0, 0, 0, 0)  # planner keeps its rates
+    assert capabilities.measure_rank_speed(2**24, core=1) == (
+        0,
+        0,
+        0,
+        0,
+        0,
+    )  # planner keeps its rates
 
 
 def test_host_id_is_the_boot_id_unless_overridden(tmp_path):

@@ -319,3 +319,20 @@ def test_plans_record_the_compiled_step_and_price_its_kernels():
         a, b = plans[key].prediction, eager[key].prediction
         assert a.breakdown.dispatch_s < b.breakdown.dispatch_s and a.decode_tps > b.decode_tps
         assert a.breakdown.memory_s == b.breakdown.memory_s
+
+
+def test_a_compiled_step_streams_at_the_split_rate_unless_its_rank_is_pinned():
+    """engine/rowsplit.py: an unpinned rank's compiled step splits each product over its
+    cores (split_mem_bw_Bps); eager steps, and ranks pinned to one core, do not."""
+    spec = model_spec_from_config(CONFIG)
+    split = dict(cores=2, host="h", core_mem_bw_Bps=50e9, split_mem_bw_Bps=160e9)
+    nodes = {n: NodeSpec(n, 64 * GiB, 60 * GiB, 100e9, 1e15, **split) for n in "ab"}
+    one = [Stage(("a",), (0, 8), (1.0,))]
+    eager = predict(spec, one, nodes, [], prompt_tokens=16)
+    compiled = predict(spec, one, nodes, [], prompt_tokens=16, compiled=True)
+    assert compiled.breakdown.memory_s == pytest.approx(eager.breakdown.memory_s * 100 / 160)
+    # Two ranks on the two cores of one machine: pinned, each at its core's rate either way.
+    links = [LinkSpec("a", "b", 1e-6, 10e9, "ethernet")]
+    two = [Stage(("a", "b"), (0, 8), (0.5, 0.5))]
+    pinned = [predict(spec, two, nodes, links, prompt_tokens=16, compiled=c) for c in (0, 1)]
+    assert pinned[0].breakdown.memory_s == pinned[1].breakdown.memory_s

@@ -292,6 +292,31 @@ def measure_memory_bandwidth(
     return w.nbytes / _best_time(lambda: mx.eval(x @ w.T), repeats, budget_s=0.5)
 
 
+def measure_split_bandwidth(nbytes: int = 128 * 2**20, repeats: int = 3) -> float:
+    """Bytes per second of the same product with its rows split over this process's cores,
+    one CPU stream each, as the compiled decode step runs it (engine/rowsplit.py); 0 where
+    that step would not split (one core, a GPU)."""
+    import mlx.core as mx
+
+    from thunderpool.engine import rowsplit
+
+    ways = rowsplit.ways()
+    if ways < 2:
+        return 0.0
+    rowsplit.blas_threads(one_row=True)
+    w = mx.random.normal((nbytes // (4 * LONG_ROW), LONG_ROW), dtype=mx.float32)
+    x = mx.random.normal((1, LONG_ROW), dtype=mx.float32)
+    parts = [w[a:b] for a, b in rowsplit.bounds(w.shape[0], ways)]
+    streams = rowsplit.streams(len(parts))
+
+    def product() -> mx.array:
+        ys = [mx.matmul(x, p.T, stream=s) for p, s in zip(parts, streams, strict=True)]
+        return mx.concatenate(ys, axis=-1)
+
+    mx.eval(w, x, parts, product())
+    return w.nbytes / _best_time(lambda: mx.eval(product()), repeats, budget_s=0.5)
+
+
 def _gemv_rate(start_at: float, seconds: float, nbytes: int = 64 * 2**20) -> float:
     """Bytes/s of single-token GEMVs from `start_at` for `seconds` (one of several processes)."""
     import mlx.core as mx
@@ -352,11 +377,14 @@ def measure_op_latency(layers: int = 16, steps: int = 20) -> float:
     return statistics.median(times) / (7 * layers + 1)
 
 
-def measure_rank_speed(nbytes: int, core: int | None = None) -> tuple[float, float, float, float]:
+def measure_rank_speed(
+    nbytes: int, core: int | None = None
+) -> tuple[float, float, float, float, float]:
     """(GEMV bytes/s, the same with short rows, matmul FLOP/s, seconds per matmul of fixed
-    cost) measured in a child with the ranks' environment; in this process if the child fails.
-    With `core`, the child runs as a pinned rank does: on that core alone with one BLAS thread
-    (zeros if it fails: the planner then keeps the unpinned rates)."""
+    cost, GEMV bytes/s split over the cores) measured in a child with the ranks' environment;
+    in this process if the child fails. With `core`, the child runs as a pinned rank does: on
+    that core alone with one BLAS thread (zeros if it fails: the planner then keeps the
+    unpinned rates)."""
     from thunderpool.cluster.launch import one_core_env
 
     code = (
@@ -364,7 +392,7 @@ def measure_rank_speed(nbytes: int, core: int | None = None) -> tuple[float, flo
         "core = int(sys.argv[2]); core >= 0 and os.sched_setaffinity(0, {core}); "
         "n = int(sys.argv[1]); print(c.measure_memory_bandwidth(n), "
         "c.measure_memory_bandwidth(n, row=c.SHORT_ROW), c.measure_matmul_flops(), "
-        "c.measure_op_latency())"
+        "c.measure_op_latency(), c.measure_split_bandwidth(n))"
     )
     try:
         done = subprocess.run(
@@ -375,13 +403,13 @@ def measure_rank_speed(nbytes: int, core: int | None = None) -> tuple[float, flo
             timeout=120,
             check=True,
         )
-        bw, short_bw, flops, op_latency = (float(x) for x in done.stdout.split())
-        return bw, short_bw, flops, op_latency
+        bw, short_bw, flops, op_latency, split_bw = (float(x) for x in done.stdout.split())
+        return bw, short_bw, flops, op_latency, split_bw
     except (OSError, ValueError, subprocess.SubprocessError):
         if core is not None:
-            return 0.0, 0.0, 0.0, 0.0
+            return 0.0, 0.0, 0.0, 0.0, 0.0
         short_bw = measure_memory_bandwidth(nbytes, row=SHORT_ROW)
-        return measure_memory_bandwidth(nbytes), short_bw, measure_matmul_flops(), 0.0
+        return measure_memory_bandwidth(nbytes), short_bw, measure_matmul_flops(), 0.0, 0.0
 
 
 def measure_host_bandwidth(procs: int, seconds: float = 0.6) -> float:
@@ -505,14 +533,16 @@ def node_info(
         )
     rdma = macos is not None and macos >= RDMA_MIN_MACOS and rdma_enabled
     mem_bw, short_bw, flops, op_latency, host_bw, core_bw, core_flops, core_op = (0.0,) * 8
+    split_bw = 0.0
     if measure:
         with measuring_alone():
-            mem_bw, short_bw, flops, op_latency = measure_rank_speed(_copy_size(available))
+            rank = measure_rank_speed(_copy_size(available))
+            mem_bw, short_bw, flops, op_latency, split_bw = rank
             host_bw = measure_host_bandwidth(len(usable_cores()))
             cores = usable_cores() if hasattr(os, "sched_getaffinity") else []
             if len(cores) > 1:  # ranks are pinned only where the OS lets us (Linux)
                 pinned = measure_rank_speed(_copy_size(available), cores[0])
-                core_bw, _, core_flops, core_op = pinned
+                core_bw, _, core_flops, core_op, _ = pinned
     has_mpirun = run(("mpirun", "--version"))[0] == 0
     return NodeInfo(
         node_id=node_id,
@@ -533,6 +563,7 @@ def node_info(
         core_op_latency_s=core_op,
         op_latency_s=op_latency,
         short_row_mem_bw_Bps=short_bw,
+        split_mem_bw_Bps=split_bw,
         host_id=host_id(system == "Darwin", run, root, host),
         flops=flops,
         backends=backends(macos, rdma, has_mpirun),

@@ -141,6 +141,7 @@ def node_specs(state: ClusterState) -> tuple[list[NodeSpec], list[LinkSpec]]:
             core_flops=n.core_flops,
             core_op_latency_s=n.core_op_latency_s,
             short_row_mem_bw_Bps=n.short_row_mem_bw_Bps,
+            split_mem_bw_Bps=n.split_mem_bw_Bps,
             op_latency_s=n.op_latency_s or live_op_latency_s(n.chip),
         )
         for n in state.nodes.values()

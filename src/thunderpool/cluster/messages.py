@@ -50,6 +50,9 @@ class NodeInfo(Wire):
     # (MLX's CPU backend); 0: the planner takes the calibrated value for the chip.
     op_latency_s: float = 0.0
     short_row_mem_bw_Bps: float = 0.0  # mem_bw_Bps with weight rows of 512 floats, not 4096
+    # mem_bw_Bps with each product's rows split over the cores, as compiled decode steps
+    # run (engine/rowsplit.py); 0: not measured, or the step does not split there.
+    split_mem_bw_Bps: float = 0.0
     # Equal for agents sharing one machine's cores and memory (e.g. network namespaces): the
     # boot id, unless `node --host-id` tells apart containers with cpusets of their own.
     host_id: str = ""

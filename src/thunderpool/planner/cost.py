@@ -68,6 +68,9 @@ class NodeSpec:
     # mem_bw_Bps is measured with weight rows of LONG_ROW floats; this with SHORT_ROW (0: the
     # same). A model whose rows are shorter than FULL_ROW streams between the two (row_rate).
     short_row_mem_bw_Bps: float = 0.0
+    # An unpinned rank's compiled decode step splits each product over the cores
+    # (engine/rowsplit.py) and streams at this rate instead (0: not measured, no split).
+    split_mem_bw_Bps: float = 0.0
 
     def __post_init__(self):
         if self.mem_bw_Bps <= 0 or self.flops <= 0:
@@ -256,7 +259,7 @@ def predict(
                 spec,
                 stage,
                 s,
-                _as_run(nodes, stages, stage, s.node, hidden),
+                _as_run(nodes, stages, stage, s.node, hidden, compiled),
                 head_share(stages, k, s),
                 batch,
                 prompt_tokens,
@@ -351,11 +354,12 @@ def _as_run(
     stage: Stage,
     name: str,
     row: int,
+    compiled: bool = False,
 ) -> NodeSpec:
     """The node as its rank in this plan sees it: streaming rows of `row` floats, pinned to
-    one core when the plan puts several ranks on its machine, and sharing the machine's
-    bandwidth with co-located peers of its TP stage, which run at the same time (PP stages
-    take turns)."""
+    one core when the plan puts several ranks on its machine, else (`compiled` decode) with
+    each product split over its cores, and sharing the machine's bandwidth with co-located
+    peers of its TP stage, which run at the same time (PP stages take turns)."""
     node = nodes[name]
     rate = row_rate(node, row)
     if rate < 1.0:
@@ -364,11 +368,15 @@ def _as_run(
             mem_bw_Bps=node.mem_bw_Bps * rate,
             core_mem_bw_Bps=node.core_mem_bw_Bps * rate,
             host_mem_bw_Bps=node.host_mem_bw_Bps * rate,
+            split_mem_bw_Bps=node.split_mem_bw_Bps * rate,
         )
+    on_host = sum(1 for s in stages for n in s.nodes if node.host and nodes[n].host == node.host)
+    pinned = pins_cores(on_host, node.cores) and node.core_mem_bw_Bps > 0
+    if compiled and not pinned and node.split_mem_bw_Bps > node.mem_bw_Bps:
+        node = replace(node, mem_bw_Bps=node.split_mem_bw_Bps)
     if not node.host:
         return node
-    on_host = sum(1 for s in stages for n in s.nodes if nodes[n].host == node.host)
-    if pins_cores(on_host, node.cores) and node.core_mem_bw_Bps > 0:
+    if pinned:
         flops = node.core_flops or node.flops
         op = node.core_op_latency_s or node.op_latency_s
         node = replace(node, mem_bw_Bps=node.core_mem_bw_Bps, flops=flops, op_latency_s=op)
