@@ -174,10 +174,10 @@ def add_compile(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=True,
         help="decode with the compiled, fused step where it is proven equal (llama, qwen2, "
-        "qwen3, qwen3_moe; one rank, TP and PP). Off by default: on Linux CPU it measured "
-        "slower than op by op (docs/benchmarks.md section 8); unmeasured on Metal",
+        "qwen3, qwen3_moe; one rank, TP and PP), its products split over a CPU rank's cores "
+        "(default on; --no-compile: op by op, docs/benchmarks.md section 8)",
     )
 
 

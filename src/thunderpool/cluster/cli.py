@@ -136,7 +136,7 @@ def ranked_plans(args: argparse.Namespace, state: ClusterState):
         concurrency=concurrency if isinstance(concurrency, int) else 1,
         prefix_cache_bytes=(getattr(args, "prefix_cache_gb", 0.0) or 0.0) * 2**30,
         routing={i: routing.popularity(i) for i in routing.layers} if routing else None,
-        compiled=getattr(args, "compile", False),  # priced as the ranks will run
+        compiled=getattr(args, "compile", True),  # priced as the ranks will run
         draft=draft,
     )
 

@@ -36,7 +36,7 @@ class Layout:
     tp_weights: tuple[float, ...] | None = None
     layer_split: tuple[int, ...] | None = None
     expert_split: tuple[int, ...] | None = None  # EP: routed experts per rank (default: weights)
-    compile: bool = False  # compiled decode steps where proven equal (engine/compiled.py)
+    compile: bool = True  # compiled decode steps where proven equal (engine/compiled.py)
     # PP: the last stage hands the leader every prefill position's hidden state, not only
     # the last one's (an MTP draft reads them all: engine/mtp.py).
     every_position: bool = False

@@ -97,7 +97,8 @@ def place(
     draft: ModelSpec | None = None,
 ) -> list[Plan]:
     """Every plan that fits, fastest predicted decode first; PlacementError if none does.
-    `compiled=True` prices the compiled step where the engine runs one (`--compile`).
+    `compiled=True` prices the compiled step where the engine runs one (`--compile`, on by
+    default in plan and serve).
 
     Speed is predicted for decode right after a `prompt_tokens` prompt (default: 512 or the
     context, whichever is smaller); memory is reserved for the full context x concurrency,

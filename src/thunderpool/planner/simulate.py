@@ -90,7 +90,7 @@ def simulate(
     compiled: bool = False,
 ) -> list[Plan]:
     """Every plan that fits the described cluster, fastest predicted decode first; decode
-    steps eager, or (`compiled`) compiled where our engine compiles them with --compile."""
+    steps eager, or (`compiled`) compiled where our engine compiles them (its default)."""
     nodes, links = cluster.specs()
     return place(
         spec,
@@ -200,7 +200,8 @@ def add_simulate_parser(sub) -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="price the compiled decode step (what `serve --compile` runs) instead of eager",
+        help="price the compiled decode step (what `serve` runs by default) instead of eager; "
+        "off here because its speed on Metal is not measured",
     )
     p.add_argument(
         "--validate",
