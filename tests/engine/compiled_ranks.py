@@ -68,6 +68,16 @@ def fused(runner: Runner) -> bool:
     return runner.compiled is not None and runner.compiled.fused is not None
 
 
+def split(runner: Runner) -> dict:
+    """How many row parts the first fused layer's products run in (0: unsplit); "o_reduced":
+    whether its o projection is TP's row-parallel one (an all_sum after the product)."""
+    if not fused(runner):
+        return {}
+    layer = runner.compiled.fused.layers[0]
+    o = layer.o.local if hasattr(layer.o, "local") else layer.o
+    return {"qkv": len(layer.qkv.parts), "o": len(o.parts), "o_reduced": hasattr(layer.o, "group")}
+
+
 def main(spec_path: str, out_path: str) -> None:
     """Every (layout, model) of the spec, in one launch of the ranks: {"tp/llama": ...}."""
     spec = json.loads(Path(spec_path).read_text())
@@ -77,7 +87,11 @@ def main(spec_path: str, out_path: str) -> None:
         for name, model in models.items():
             runner, _, _ = load_shard(Path(model), group, Layout(parallel, compile=True))
             reference, _, _ = load_shard(Path(model), group, Layout(parallel, compile=False))
-            results[f"{parallel}/{name}"] = {**compare(runner, reference), "fused": fused(runner)}
+            results[f"{parallel}/{name}"] = {
+                **compare(runner, reference),
+                "fused": fused(runner),
+                "split": split(runner),
+            }
     if group.rank() == 0:
         Path(out_path).write_text(json.dumps(results))
 

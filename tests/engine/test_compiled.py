@@ -148,9 +148,12 @@ def test_tp2_and_pp2_compiled_equal_eager(family_dirs, tmp_path, monkeypatch):
     }
     results = _run_ranks({"layouts": layouts}, 2, tmp_path)
     assert sorted(results) == sorted(f"{p}/{k}" for p, ks in layouts.items() for k in ks)
-    for result in results.values():
+    for name, result in results.items():
         check(result, True)
         assert result["fused"]
+        # Every product split in two, TP's o too: its rank's part, then the all_sum.
+        tp = name.startswith("tp/")
+        assert result["split"] == {"qkv": 2, "o": 2, "o_reduced": tp}
 
 
 def _run_ranks(spec: dict, nodes: int, tmp: Path, timeout: float = 300.0) -> dict:

@@ -9,7 +9,10 @@ MLX's CPU backend RoPE, RMSNorm and sdpa are chains of ops). Here, per layer:
 - RoPE's angles are computed once per step, not twice per layer; one elementwise pass
   rotates q and k, leaves v (cos 1, sin 0) and folds in the attention scale;
 - attention is scores (plus the additive mask, in the matmul), softmax, values;
-- the output projections add the residual in their matmul where no all_sum comes between.
+- the output projections add the residual in their matmul where no all_sum comes between
+  (TP's row-parallel o and down: product, all_sum, bias, residual, as the modules do);
+- on a CPU rank with several cores every product's rows are split over them (Projection.split,
+  engine/rowsplit.py).
 Only the model structure below is taken; anything else (other RoPE kinds, partial rotary,
 sliding windows) keeps mlx-lm's forward (`fusable` is False).
 """
@@ -137,12 +140,38 @@ def fuse(modules: list[nn.Module]) -> Projection | None:
     return Projection(**fused, **q)
 
 
-def _linear(m: nn.Module) -> Projection | None:
-    """A single projection's arrays, where its forward is a plain matmul."""
-    if not _plain(m):
+@dataclass(frozen=True, slots=True)
+class Reduced:
+    """A TP row-parallel projection (mlx's ShardedToAllLinear, parallel/tensor.SumAfter for
+    uneven shares): this rank's product summed
+    over the group, then the bias, in the module's order; the product may split its rows."""
+
+    local: Projection
+    group: mx.distributed.Group
+    bias: mx.array | None = None
+
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        y = mx.distributed.all_sum(self.local(x), group=self.group)
+        y = y + self.bias if self.bias is not None else y
+        return residual + y if residual is not None else y
+
+    def split(self, ways: int) -> Reduced:
+        return replace(self, local=self.local.split(ways))
+
+
+def _linear(m: nn.Module) -> Projection | Reduced | None:
+    """A single projection's arrays, where its forward is a plain matmul (and, after TP's
+    row split, an all_sum)."""
+    kind = type(m).__name__
+    if kind == "SumAfter":  # ours: uneven shares
+        local = _linear(m.inner)
+        return Reduced(local, m.group, m.get("bias")) if isinstance(local, Projection) else None
+    reduced = kind in ("ShardedToAllLinear", "QuantizedShardedToAllLinear") and "weight" in m
+    if not (reduced or _plain(m)):
         return None
     q = dict(zip(("group_size", "bits", "mode"), _quant(m), strict=True)) if "scales" in m else {}
-    return Projection(**{n: m[n] for n in _names(m)}, **q)
+    local = Projection(**{n: m[n] for n in _names(m) if not (reduced and n == "bias")}, **q)
+    return Reduced(local, m.group, m.get("bias")) if reduced else local
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +180,9 @@ class Layer:
 
     module: nn.Module
     qkv: Projection
-    o: Projection | None  # None: call the module (an all_sum follows the matmul)
+    o: Projection | Reduced | None  # None: call the module
     gate_up: Projection | None  # None: call the MLP module (MoE, or unfusable)
-    down: Projection | None
+    down: Projection | Reduced | None
     n_heads: int
     n_kv: int
     inter: int  # the MLP's (local) intermediate width
