@@ -223,6 +223,7 @@ def test_pp2_fetches_its_stage_and_reuses_what_the_tp_shard_holds(pair, tmp_path
     model, a, b, _ = pair
     ref = one_rank_trace(model, tiny_prompts(2), 16)
     tp = rank_pieces(index_model(model), RankLayout(rank=1, world=2, parallel="tp"))
+    launch(pair, "tp", tmp_path / "tp.npz")  # b holds the TP shard whatever ran before
     before = received(b)
     events = launch(pair, "pp", tmp_path / "pp.npz")
     np.testing.assert_array_equal(np.load(tmp_path / "pp.npz")["tokens"], ref["tokens"])
