@@ -35,6 +35,9 @@ def test_a_bad_ways_setting_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("THUNDERPOOL_DECODE_WAYS", "two")
     with pytest.raises(Exception, match="THUNDERPOOL_DECODE_WAYS='two'"):
         rowsplit.ways()
+    monkeypatch.setenv("THUNDERPOOL_DECODE_WAYS", str(rowsplit.MAX_WAYS + 1))
+    with pytest.raises(Exception, match=f"at most {rowsplit.MAX_WAYS}"):
+        rowsplit.ways()
     monkeypatch.setenv("THUNDERPOOL_DECODE_WAYS", "3")
     assert rowsplit.ways() == 3
 

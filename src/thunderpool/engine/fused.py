@@ -93,7 +93,9 @@ class Projection:
             )
             for a, b in cuts
         )
-        mx.eval([p.weight for p in parts])
+        # Evaluated now, scales and biases too: a lazy slice is tied to the loading thread's
+        # stream, and the engine may step in another thread (as FusedForward's tables).
+        mx.eval([[a for a in (p.weight, p.scales, p.biases) if a is not None] for p in parts])
         return replace(self, parts=parts)
 
 
@@ -143,8 +145,8 @@ def fuse(modules: list[nn.Module]) -> Projection | None:
 @dataclass(frozen=True, slots=True)
 class Reduced:
     """A TP row-parallel projection (mlx's ShardedToAllLinear, parallel/tensor.SumAfter for
-    uneven shares): this rank's product summed
-    over the group, then the bias, in the module's order; the product may split its rows."""
+    uneven shares): this rank's product summed over the group, then the bias, in the
+    module's order; the product may split its rows."""
 
     local: Projection
     group: mx.distributed.Group
@@ -159,6 +161,12 @@ class Reduced:
         return replace(self, local=self.local.split(ways))
 
 
+def _projection(m: nn.Module, bias: bool = True) -> Projection:
+    """A module's arrays (without its bias unless `bias`) and quantization as a Projection."""
+    q = dict(zip(("group_size", "bits", "mode"), _quant(m), strict=True)) if "scales" in m else {}
+    return Projection(**{n: m[n] for n in _names(m) if bias or n != "bias"}, **q)
+
+
 def _linear(m: nn.Module) -> Projection | Reduced | None:
     """A single projection's arrays, where its forward is a plain matmul (and, after TP's
     row split, an all_sum)."""
@@ -166,12 +174,9 @@ def _linear(m: nn.Module) -> Projection | Reduced | None:
     if kind == "SumAfter":  # ours: uneven shares
         local = _linear(m.inner)
         return Reduced(local, m.group, m.get("bias")) if isinstance(local, Projection) else None
-    reduced = kind in ("ShardedToAllLinear", "QuantizedShardedToAllLinear") and "weight" in m
-    if not (reduced or _plain(m)):
-        return None
-    q = dict(zip(("group_size", "bits", "mode"), _quant(m), strict=True)) if "scales" in m else {}
-    local = Projection(**{n: m[n] for n in _names(m) if not (reduced and n == "bias")}, **q)
-    return Reduced(local, m.group, m.get("bias")) if reduced else local
+    if kind in ("ShardedToAllLinear", "QuantizedShardedToAllLinear") and "weight" in m:
+        return Reduced(_projection(m, bias=False), m.group, m.get("bias"))
+    return _projection(m) if _plain(m) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,6 +338,8 @@ def head(model: nn.Module, ways: int) -> Projection | None:
     """The output head as a projection split over `ways` CPU streams: a plain lm_head, or the
     tied embedding (as_linear is x @ E.T); None where it is anything else (a TP-split head)
     or where `ways` is 1."""
+    if ways < 2:
+        return None
     lm_head = getattr(model, "lm_head", None)
     if lm_head is None:
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
@@ -341,10 +348,4 @@ def head(model: nn.Module, ways: int) -> Projection | None:
         lm_head = embed
     elif not _plain(lm_head):
         return None
-    q = (
-        dict(zip(("group_size", "bits", "mode"), _quant(lm_head), strict=True))
-        if "scales" in lm_head
-        else {}
-    )
-    whole = Projection(**{n: lm_head[n] for n in _names(lm_head)}, **q)
-    return whole.split(ways) if ways > 1 else None
+    return _projection(lm_head).split(ways)

@@ -23,6 +23,7 @@ import threading
 import mlx.core as mx
 
 from thunderpool.config import decode_ways
+from thunderpool.errors import ThunderpoolError
 
 MAX_WAYS = 8  # past this a part's rows are too few to pay for their stream's sync
 ALIGN = 16  # parts start on whole SIMD-register rows
@@ -42,7 +43,13 @@ def ways() -> int:
     (THUNDERPOOL_DECODE_WAYS overrides), 1 on a GPU."""
     if mx.default_device().type == mx.DeviceType.gpu:
         return 1
-    return max(1, min(decode_ways() or own_cores(), MAX_WAYS))
+    chosen = decode_ways()
+    if chosen is not None and chosen > MAX_WAYS:
+        raise ThunderpoolError(
+            f"THUNDERPOOL_DECODE_WAYS={chosen} is more than {MAX_WAYS} parts; "
+            f"set it to at most {MAX_WAYS}, or unset it (one per core, at most {MAX_WAYS})"
+        )
+    return min(chosen or own_cores(), MAX_WAYS)
 
 
 def bounds(rows: int, parts: int) -> list[tuple[int, int]]:
@@ -67,11 +74,11 @@ def _blis() -> ctypes.CDLL | None:
     """The BLIS this process multiplies with (a rank's preload, cluster/blas.py), if any."""
     from thunderpool.cluster.blas import in_use
 
-    path = in_use()["blas_path"]
-    if in_use()["blas"] != "BLIS" or path is None:
+    blas = in_use()
+    if blas["blas"] != "BLIS" or blas["blas_path"] is None:
         return None
     try:
-        lib = ctypes.CDLL(path)
+        lib = ctypes.CDLL(blas["blas_path"])
         lib.bli_thread_set_num_threads.argtypes = [ctypes.c_long]
         return lib
     except (OSError, AttributeError):
