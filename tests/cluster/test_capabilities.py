@@ -29,8 +29,10 @@ from thunderpool.cluster.messages import Interface
 LINUX = RECORDED / "linux"
 
 
-def iface(name: str, address: str, kind: str, rdma: str | None = None) -> Interface:
-    return Interface(name=name, address=address, kind=kind, rdma_device=rdma)
+def iface(
+    name: str, address: str, kind: str, rdma: str | None = None, prefix: int = 24
+) -> Interface:
+    return Interface(name=name, address=address, kind=kind, rdma_device=rdma, prefix=prefix)
 
 
 def test_linux_recorded_node_info():
@@ -62,8 +64,8 @@ def test_macos_26_rdma_tb5_node_info():
     assert info.interfaces == (
         iface("en0", "192.168.1.20", "ethernet"),
         iface("en1", "192.168.1.21", "wifi"),
-        iface("en3", "192.168.0.1", "rdma", "rdma_en3"),
-        iface("en4", "192.168.0.5", "rdma", "rdma_en4"),
+        iface("en3", "192.168.0.1", "rdma", "rdma_en3", 30),
+        iface("en4", "192.168.0.5", "rdma", "rdma_en4", 30),
     )
     assert info.os == "macOS 26.2"
     assert info.chip == "Apple M3 Ultra"
@@ -79,7 +81,7 @@ def test_macos_15_node_info_has_no_rdma():
     # The bridge (default on) holds the only Thunderbolt address.
     assert info.interfaces == (
         iface("en0", "10.0.0.42", "wifi"),
-        iface("bridge0", "169.254.118.9", "thunderbolt"),
+        iface("bridge0", "169.254.118.9", "thunderbolt", prefix=16),
     )
     assert (info.os, info.chip) == ("macOS 15.5", "Apple M2 Max")
     assert info.memory_total_bytes == 34359738368

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from thunderpool.cluster.coordinator import jaccl_config, ring_hostfile, ring_port_base
+from thunderpool.cluster.coordinator import ring_hostfile, ring_port_base
+from thunderpool.cluster.jaccl import jaccl_config
 from thunderpool.cluster.launch import free_ports
 from thunderpool.cluster.messages import Hello, Interface, LinkMeasured, NodeInfo
 from thunderpool.cluster.state import ClusterState, apply
@@ -19,6 +20,7 @@ def mac(node_id: str, links: dict[str, tuple[str, str]], rdma: bool = True) -> N
             address=addr,
             kind="rdma" if rdma else "thunderbolt",
             rdma_device=f"rdma_{ifname}" if rdma else None,
+            prefix=30,
         )
         for addr, ifname in links.values()
     )
@@ -37,6 +39,7 @@ def mac(node_id: str, links: dict[str, tuple[str, str]], rdma: bool = True) -> N
         backends=("ring", "jaccl") if rdma else ("ring",),
         rdma=rdma,
         interfaces=ifaces,
+        rdma_devices=tuple(f"rdma_{ifname}" for _, ifname in links.values()) if rdma else (),
     )
 
 
@@ -78,13 +81,17 @@ def test_ring_hostfile_uses_each_ranks_address_on_the_link_from_its_predecessor(
 
 
 def test_jaccl_device_matrix_and_coordinator():
+    # These agents did not report their Thunderbolt ports: each pair's device is the RDMA
+    # interface whose /30 holds the peer's address.
     cfg = jaccl_config(cluster(), ["a", "b", "c"], 29600)
-    assert json.loads(cfg["MLX_IBV_DEVICES"]) == [
+    assert json.loads(cfg.files()["MLX_IBV_DEVICES"]) == [
         [None, "rdma_en2", "rdma_en3"],
         ["rdma_en2", None, "rdma_en3"],
         ["rdma_en2", "rdma_en3", None],
     ]
-    assert cfg["MLX_JACCL_COORDINATOR"] == "169.254.1.1:29600"
+    # Rank 0's agent address (its LAN), which every rank reaches; not its cable to rank 1.
+    assert cfg.coordinator == "10.0.0.97:29600"
+    assert cfg.env() == {"MLX_JACCL_COORDINATOR": "10.0.0.97:29600"}
 
 
 def test_no_jaccl_without_rdma_on_every_pair():

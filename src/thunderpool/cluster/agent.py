@@ -8,6 +8,7 @@ processes for the coordinator. Every request must be signed with the cluster tok
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from pathlib import Path
@@ -30,8 +31,10 @@ from thunderpool.cluster.messages import (
 from thunderpool.cluster.probe import measure
 from thunderpool.cluster.ranks import RankManager
 from thunderpool.cluster.state import ClusterState, apply
+from thunderpool.cluster.thunderbolt import route
 from thunderpool.cluster.weights_api import Weights, add_weight_routes
 
+REACH_TIMEOUT_S = 2.0
 log = logging.getLogger("thunderpool.agent")
 
 
@@ -89,9 +92,12 @@ class Agent:
         return greeted
 
     def probe(self, req: ProbeRequest) -> LinkMeasured:
-        rtt, bw = measure(req.address, req.port)
-        kind = "loopback" if req.address.startswith("127.") else _kind_of(self.info, req.address)
-        mine = _my_address(self.info, req.address) or self.contact.rsplit(":", 1)[0]
+        rtt, bw, mine = measure(req.address, req.port)
+        # The interface the kernel sent from, by the socket's own address (not a guess by
+        # address octets: a LAN and a Thunderbolt cable may share 192.168.0.x).
+        via = next((i for i in self.info.interfaces if i.address == mine), None)
+        via = via or route(self.info.interfaces, req.address)
+        kind = "loopback" if req.address.startswith("127.") else (via.kind if via else "other")
         return LinkMeasured(
             a=self.identity.node_id,
             b=req.peer,
@@ -101,18 +107,6 @@ class Agent:
             bandwidth_Bps=bw,
             link=kind,
         )
-
-
-def _same_subnet24(a: str, b: str) -> bool:
-    return a.split(".")[:3] == b.split(".")[:3]
-
-
-def _my_address(info: NodeInfo, peer: str) -> str | None:
-    return next((i.address for i in info.interfaces if _same_subnet24(i.address, peer)), None)
-
-
-def _kind_of(info: NodeInfo, peer: str) -> str:
-    return next((i.kind for i in info.interfaces if _same_subnet24(i.address, peer)), "other")
 
 
 def signed_path(request: Request) -> str:
@@ -167,6 +161,17 @@ def create_agent_app(agent: Agent) -> FastAPI:
             return agent.probe(req).model_dump(mode="json")
         except OSError as e:
             raise HTTPException(502, f"cannot probe {req.address}:{req.port}: {e}") from None
+
+    @app.post("/v1/reach")
+    def reach(body: bytes = Depends(signed)):
+        # Whether this node can open a TCP connection to address:port (a jaccl coordinator's
+        # address must be routable from every rank's node), and from which local address.
+        req = ProbeRequest.model_validate_json(body)
+        try:
+            with socket.create_connection((req.address, req.port), timeout=REACH_TIMEOUT_S) as s:
+                return {"via": s.getsockname()[0]}
+        except OSError as e:
+            raise HTTPException(502, f"cannot reach {req.address}:{req.port}: {e}") from None
 
     @app.post("/v1/start")
     def start(body: bytes = Depends(signed)):

@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from thunderpool import __version__
-from thunderpool.cluster.messages import Interface, LinkKind, NodeInfo
+from thunderpool.cluster.messages import Interface, LinkKind, NodeInfo, ThunderboltPort
+from thunderpool.cluster.thunderbolt import parse_thunderbolt
 from thunderpool.planner.cost import LONG_ROW, SHORT_ROW
 
 Runner = Callable[[Sequence[str]], tuple[int, str]]
@@ -195,12 +196,23 @@ def parse_ifconfig(text: str) -> dict[str, dict]:
             continue
         fields = line.split()
         if fields[:1] == ["inet"] and len(fields) > 1:
-            current["inet"].append(fields[1])
+            current["inet"].append((fields[1], _netmask_prefix(fields)))
         elif fields[:1] == ["member:"] and len(fields) > 1:
             current["members"].append(fields[1])
         elif fields[:1] == ["status:"]:
             current["active"] = fields[1:2] == ["active"]
     return found
+
+
+def _netmask_prefix(fields: list[str]) -> int | None:
+    """ifconfig's "inet A netmask 0xfffffffc ..." -> 30."""
+    if "netmask" not in fields[:-1]:
+        return None
+    mask = fields[fields.index("netmask") + 1]
+    try:
+        return bin(int(mask, 16) if mask.startswith("0x") else int(mask)).count("1")
+    except ValueError:
+        return None
 
 
 def macos_kind(port: str | None) -> LinkKind:
@@ -227,8 +239,10 @@ def macos_interfaces(
         rdma = f"rdma_{name}" if f"rdma_{name}" in rdma_devices else None
         if rdma is not None:
             kind = "rdma"
-        for address in info["inet"]:
-            found.append(Interface(name=name, address=address, kind=kind, rdma_device=rdma))
+        for address, prefix in info["inet"]:
+            found.append(
+                Interface(name=name, address=address, kind=kind, rdma_device=rdma, prefix=prefix)
+            )
     return tuple(found)
 
 
@@ -248,7 +262,8 @@ def linux_interfaces(ip_json: str, sys_net: Path) -> tuple[Interface, ...]:
             kind = "other"
         for addr in link.get("addr_info", []):
             if addr.get("family") == "inet":
-                found.append(Interface(name=name, address=addr["local"], kind=kind))
+                prefix = addr.get("prefixlen")
+                found.append(Interface(name=name, address=addr["local"], kind=kind, prefix=prefix))
     return tuple(found)
 
 
@@ -448,15 +463,23 @@ def usable_cores() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
+def parse_platform_uuid(text: str | None) -> str:
+    """`ioreg -rd1 -c IOPlatformExpertDevice` -> the hardware's IOPlatformUUID, or ""."""
+    match = re.search(r'"IOPlatformUUID"\s*=\s*"([^"]+)"', text or "")
+    return match.group(1) if match else ""
+
+
 def host_id(macos: bool, run: Runner, root: Path, override: str | None = None) -> str:
-    """Same for every agent on one machine: the kernel's boot id (Linux) or its UUID (macOS).
+    """Same for every agent on one machine and different between machines: the kernel's boot
+    id (Linux), the hardware's IOPlatformUUID (macOS; `kern.uuid` is the kernel *build*'s,
+    equal on every Mac of one macOS build), else that boot's session UUID.
     `override` (`node --host-id`) tells apart agents that share the kernel but not their cores
     and memory (containers with their own cpusets), which the boot id cannot."""
     if override:
         return override
     if macos:
-        code, out = run(["sysctl", "-n", "kern.uuid"])
-        return out.strip() if code == 0 else ""
+        found = parse_platform_uuid(_output(run, "ioreg", "-rd1", "-c", "IOPlatformExpertDevice"))
+        return found or (_output(run, "sysctl", "-n", "kern.bootsessionuuid") or "").strip()
     try:
         return (root / "proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -508,6 +531,7 @@ def node_info(
     exist so tests can replay another machine's recorded outputs; `host` overrides host_id."""
     system = system or platform.system()
     rdma_devices: tuple[str, ...] = ()
+    thunderbolt: tuple[ThunderboltPort, ...] = ()
     rdma_enabled = False
     macos = None
     if system == "Darwin":
@@ -518,10 +542,10 @@ def node_info(
         available = parse_vm_stat(_output(run, "vm_stat") or "")
         rdma_enabled = parse_rdma_ctl(_output(run, "rdma_ctl", "status"))
         rdma_devices = parse_ibv_devices(_output(run, "ibv_devices"))
-        interfaces = macos_interfaces(
-            _output(run, "ifconfig") or "",
-            parse_hardware_ports(_output(run, "networksetup", "-listallhardwareports") or ""),
-            rdma_devices,
+        ports = parse_hardware_ports(_output(run, "networksetup", "-listallhardwareports") or "")
+        interfaces = macos_interfaces(_output(run, "ifconfig") or "", ports, rdma_devices)
+        thunderbolt = parse_thunderbolt(
+            _output(run, "system_profiler", "SPThunderboltDataType", "-json"), ports
         )
     else:
         os_name = f"{system} {platform.release()}"
@@ -569,6 +593,8 @@ def node_info(
         backends=backends(macos, rdma, has_mpirun),
         rdma=rdma,
         interfaces=interfaces,
+        rdma_devices=rdma_devices,
+        thunderbolt=thunderbolt,
     )
 
 

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from thunderpool.cluster.client import AgentClient, AgentError
 from thunderpool.cluster.fabric import check_draft, place_weights
+from thunderpool.cluster.jaccl import agents_reach, jaccl_config, pick_coordinator
 from thunderpool.cluster.launch import RankEvent
 from thunderpool.cluster.messages import (
     Hello,
@@ -189,40 +190,6 @@ def ring_hostfile(state: ClusterState, order: list[str], base_port: int) -> str:
     return json.dumps(entries)
 
 
-def jaccl_config(state: ClusterState, order: list[str], port: int) -> dict[str, str] | None:
-    """MLX jaccl settings when every pair of ranks has an RDMA device, else None.
-
-    devices[i][j] names node i's RDMA device on its link to node j (None on the diagonal);
-    rank 0's address on its first link is the coordinator every rank dials.
-    """
-    import json
-
-    if len(order) < 2 or len(set(order)) < len(order):
-        return None
-    if not all("jaccl" in state.nodes[n].backends for n in order):
-        return None
-    devices = []
-    for i, a in enumerate(order):
-        row = []
-        for j, b in enumerate(order):
-            link = state.link(a, b) if i != j else None
-            if i != j and (link is None or link.link != "rdma"):
-                return None
-            mine = None if link is None else (link.a_address if link.a == a else link.b_address)
-            device = (
-                next((x.rdma_device for x in state.nodes[a].interfaces if x.address == mine), None)
-                if mine
-                else None
-            )
-            if i != j and device is None:
-                return None
-            row.append(device)
-        devices.append(row)
-    first = state.link(order[0], order[1])
-    leader_ip = first.a_address if first.a == order[0] else first.b_address
-    return {"MLX_IBV_DEVICES": json.dumps(devices), "MLX_JACCL_COORDINATOR": f"{leader_ip}:{port}"}
-
-
 def core_assignment(state: ClusterState, order: list[str]) -> dict[int, int]:
     """rank -> core for ranks that share a machine (same host_id), when each can have its own:
     ring ranks busy-poll, so two on one core stall each other's collectives."""
@@ -316,9 +283,10 @@ class ClusterInstance:
         files, env = {}, {}
         jaccl = jaccl_config(self.state, order, port)
         if jaccl is not None:
-            # RDMA between every pair: MLX's jaccl backend instead of TCP ring.
-            files["MLX_IBV_DEVICES"] = jaccl["MLX_IBV_DEVICES"]
-            env["MLX_JACCL_COORDINATOR"] = jaccl["MLX_JACCL_COORDINATOR"]
+            # RDMA between every pair (or neighbours): MLX's jaccl backend instead of TCP ring.
+            reach = agents_reach(self.state, self.coordinator.token)
+            files |= jaccl.files()
+            env |= jaccl.env(pick_coordinator(self.state, order, jaccl, reach))
             job = job.model_copy(update={"backend": "jaccl"})
         elif n > 1:
             files["MLX_HOSTFILE"] = ring_hostfile(self.state, order, port)

@@ -24,6 +24,15 @@ class Interface(Wire):
     address: str  # IPv4/IPv6 address on this interface
     kind: LinkKind = "other"
     rdma_device: str | None = None  # e.g. "rdma_en2" where ibv_devices lists one
+    prefix: int | None = None  # the network's prefix length (netmask), e.g. 30 on a cable
+
+
+class ThunderboltPort(Wire):
+    """One Thunderbolt port of a Mac (cluster/thunderbolt.py)."""
+
+    iface: str  # its network interface, e.g. "en3" for hardware port "Thunderbolt 3"
+    uuid: str  # its domain UUID
+    connected_to: str | None = None  # the domain UUID of the Mac port cabled to it
 
 
 class NodeInfo(Wire):
@@ -60,6 +69,8 @@ class NodeInfo(Wire):
     backends: tuple[str, ...] = ("ring",)  # MLX distributed backends usable here
     rdma: bool = False
     interfaces: tuple[Interface, ...] = ()
+    rdma_devices: tuple[str, ...] = ()  # what `ibv_devices` lists, up or not
+    thunderbolt: tuple[ThunderboltPort, ...] = ()  # a Mac's ports and what they are cabled to
 
 
 class Hello(Wire):

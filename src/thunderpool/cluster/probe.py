@@ -86,10 +86,12 @@ def _frame(op: str, payload: bytes) -> bytes:
 
 def measure(
     host: str, port: int, rounds: int = 20, blob_bytes: int = 4 << 20, timeout: float = 10.0
-) -> tuple[float, float]:
-    """(median RTT seconds, bandwidth bytes/s) to a ProbeServer at host:port."""
+) -> tuple[float, float, str]:
+    """(median RTT seconds, bandwidth bytes/s, the local address the connection left from)
+    to a ProbeServer at host:port."""
     with socket.create_connection((host, port), timeout=timeout) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        local = sock.getsockname()[0]
         rtts = []
         ping = _frame("E", b"x" * 64)
         for _ in range(rounds + 2):
@@ -106,4 +108,4 @@ def measure(
             raise ConnectionError(f"probe server {host}:{port} closed the connection")
         seconds = time.perf_counter() - t
     # The first rounds warm up the connection; the median resists scheduler noise.
-    return statistics.median(rtts[2:]), blob_bytes / max(seconds, 1e-9)
+    return statistics.median(rtts[2:]), blob_bytes / max(seconds, 1e-9), local

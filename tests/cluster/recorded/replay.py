@@ -22,14 +22,18 @@ FILES = {
     ("vm_stat",): "vm_stat.txt",
     ("ip", "-j", "addr"): "ip_j_addr.json",
     ("ip", "-V"): "ip_V.txt",
+    ("system_profiler", "SPThunderboltDataType", "-json"): "system_profiler_thunderbolt.json",
+    ("ioreg", "-rd1", "-c", "IOPlatformExpertDevice"): "ioreg_platform.txt",
+    ("sysctl", "-n", "kern.uuid"): "sysctl_kern_uuid.txt",
+    ("ipconfig", "getifaddr", "en0"): "ipconfig_getifaddr_en0.txt",
 }
 
 
 class Replay:
     """Replays one scene and remembers every argv it was asked."""
 
-    def __init__(self, scene: str):
-        self.dir = RECORDED / scene
+    def __init__(self, scene: str | Path):
+        self.dir = RECORDED / scene  # an absolute path stays as it is
         self.calls: list[tuple[str, ...]] = []
 
     def __call__(self, argv: Sequence[str]) -> tuple[int, str]:

@@ -1,0 +1,158 @@
+"""Our reading of a Thunderbolt mesh against MLX's own: the same recorded macOS outputs go to
+`mlx.distributed_config` (mlx/_distributed_utils/config.py, from the installed wheel; its ssh
+calls answered from the recordings) and to our agents' self-report plus the coordinator's
+jaccl settings. Every ordered pair of ranks must get the same RDMA device(s), every cable end
+the address MLX's --auto-setup gives it, and the coordinator must be an address every rank
+reaches (MLX's launcher takes rank 0's en0)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+from cluster.recorded.replay import Replay
+from macs import SCENES, Scene, platform_uuid, write
+
+from thunderpool.cluster.capabilities import node_info
+from thunderpool.cluster.jaccl import jaccl_config
+from thunderpool.cluster.messages import Hello, NodeInfo
+from thunderpool.cluster.state import ClusterState, apply
+from thunderpool.cluster.thunderbolt import cable_addresses, cables, reaches, route
+
+config = pytest.importorskip("mlx._distributed_utils.config")
+common = pytest.importorskip("mlx._distributed_utils.common")
+
+
+def mlx_hostfile(dirs: list[Path], monkeypatch, tmp_path: Path) -> tuple[dict, list[str]]:
+    """MLX's hostfile for hosts mac0..macN (ssh answered from `dirs`) and the setup commands
+    its --auto-setup would run on each."""
+    by_host = {f"mac{i}": Replay(d) for i, d in enumerate(dirs)}
+    setup: list[str] = []
+
+    def fake_run(argv, capture_output=False, text=False, **kw):
+        assert argv[0] == "ssh", argv
+        host, rest = argv[1], argv[2:]
+        if rest[0].startswith("sudo "):  # the --auto-setup commands, joined by " ; "
+            setup.append(f"{host}: {rest[0]}")
+            code, out = 0, ""
+        else:
+            code, out = by_host[host](rest)
+            assert code == 0, f"no recording for {rest}"
+        return subprocess.CompletedProcess(argv, code, out if text else out.encode(), b"")
+
+    monkeypatch.setattr(config, "run", fake_run)
+    out = tmp_path / "hostfile.json"
+    args = argparse.Namespace(
+        verbose=False, dot=False, backend=None, auto_setup=True, output_hostfile=str(out), env=[]
+    )
+    hosts = common.Hostfile.from_list(",".join(by_host)).hosts
+    config.prepare_tb_hostfile(args, hosts, [config.SSHInfo(True, True)] * len(hosts))
+    return json.loads(out.read_text()), setup
+
+
+def our_nodes(dirs: list[Path]) -> list[NodeInfo]:
+    return [
+        node_info(7070, f"mac{i}", measure=False, run=Replay(d), system="Darwin").model_copy(
+            update={"name": f"mac{i}"}
+        )
+        for i, d in enumerate(dirs)
+    ]
+
+
+def state_of(nodes: list[NodeInfo]) -> ClusterState:
+    state = ClusterState()
+    for node in nodes:
+        lan = next(x.address for x in node.interfaces if x.name == "en0")
+        state = apply(state, Hello(node=node, contact=f"{lan}:7070"))
+    return state
+
+
+def setup_addresses(commands: list[str]) -> dict[tuple[int, str], tuple[str, int]]:
+    """(mac, iface) -> (address, prefix) from MLX's `sudo ifconfig IFACE inet IP netmask M`."""
+    found = {}
+    for line in commands:
+        host, _, script = line.partition(": ")
+        for m in re.finditer(r"ifconfig (en\d+) inet (\S+) netmask (\S+)", script):
+            mask = sum(bin(int(o)).count("1") for o in m.group(3).split("."))
+            found[(int(host[3:]), m.group(1))] = (m.group(2), mask)
+    return found
+
+
+@pytest.mark.parametrize("name", [s for s in SCENES if s != "ring4"])
+def test_mesh_matches_mlx(name, tmp_path, monkeypatch):
+    scene: Scene = SCENES[name]
+    dirs = write(scene, tmp_path / name)
+    mlx, setup = mlx_hostfile(dirs, monkeypatch, tmp_path)
+    nodes = our_nodes(dirs)
+    order = [n.node_id for n in nodes]
+    cfg = jaccl_config(state_of(nodes), order, 32000)
+
+    assert mlx["backend"] == "jaccl"
+    assert cfg is not None and not cfg.ring
+    # The same device (or devices, with two cables per pair) for every ordered pair of ranks.
+    assert cfg.devices == [h["rdma"] for h in mlx["hosts"]]
+    # MLX's coordinator is rank 0's en0; ours is rank 0's agent address, the same LAN address.
+    assert cfg.candidates[0] == mlx["hosts"][0]["ips"][0]
+    assert all(reaches(node, cfg.candidates[0]) for node in nodes[1:])
+    # The addresses the recordings carry are those MLX's --auto-setup assigns, cable by cable.
+    assert scene.cable_ips() == setup_addresses(setup)
+    assert {k: (v, 30) for k, v in cable_addresses(cables(nodes)).items()} == setup_addresses(setup)
+    # Two Macs of one model and build: one kernel build UUID, two machines.
+    assert len({n.host_id for n in nodes}) == len(nodes)
+    assert [n.host_id for n in nodes] == [platform_uuid(i) for i in range(len(nodes))]
+
+
+@pytest.mark.parametrize("name", ["mesh3", "mesh4_lan192", "mesh3_crossed"])
+def test_each_peer_address_leaves_by_its_own_cable(name, tmp_path):
+    """A packet to a peer's cable address leaves by the cable to that peer (longest prefix):
+    never the other cable's device, nor the LAN that also holds 192.168.0.x."""
+    scene = SCENES[name]
+    nodes = our_nodes(write(scene, tmp_path / name))
+    found = cables(nodes)
+    for c in found:
+        peer_ip = next(x.address for x in nodes[c.j].interfaces if x.name == c.b)
+        via = route(nodes[c.i].interfaces, peer_ip)
+        assert (via.name, via.rdma_device, via.kind) == (c.a, f"rdma_{c.a}", "rdma")
+
+
+def test_ring_matches_mlx_jaccl_ring(tmp_path, monkeypatch):
+    """Four Macs cabled in a ring (no mesh): MLX writes a jaccl-ring hostfile; given the same
+    rank order, our devices are MLX's and jaccl runs in ring mode."""
+    dirs = write(SCENES["ring4"], tmp_path / "ring4")
+    mlx, _ = mlx_hostfile(dirs, monkeypatch, tmp_path)
+    assert mlx["backend"] == "jaccl-ring"
+    rank_of = [int(h["ssh"][3:]) for h in mlx["hosts"]]  # MLX orders ranks along the ring
+    nodes = our_nodes(dirs)
+    order = [nodes[m].node_id for m in rank_of]
+    cfg = jaccl_config(state_of(nodes), order, 32000)
+    assert cfg is not None and cfg.ring and cfg.env()["MLX_JACCL_RING"] == "1"
+    assert cfg.devices == [h["rdma"] for h in mlx["hosts"]]
+
+
+def test_an_incomplete_mesh_runs_ring_over_tcp(tmp_path):
+    """Three Macs, one cable missing and no ring through all: no jaccl (it would hang)."""
+    scene = Scene(3, [(0, 1, 1, 1), (1, 2, 2, 1)])
+    nodes = our_nodes(write(scene, tmp_path / "path3"))
+    assert jaccl_config(state_of(nodes), [n.node_id for n in nodes], 32000) is None
+
+
+def test_mlx_recordings_are_what_the_commands_print():
+    """The recorded scenes in the repo are what macs.py renders (re-run it after a change)."""
+    from macs import RECORDED, outputs
+
+    for name, scene in SCENES.items():
+        for mac in range(scene.n):
+            for file, text in outputs(scene, mac).items():
+                assert (RECORDED / name / f"mac{mac}" / file).read_text() == text, (name, file)
+
+
+def test_mlx_setup_quotes(tmp_path, monkeypatch):
+    """MLX's --auto-setup turns the bridge off and routes each peer by its cable."""
+    _, setup = mlx_hostfile(write(SCENES["mesh2"], tmp_path / "m2"), monkeypatch, tmp_path)
+    first = shlex.split(setup[0].partition(": ")[2].replace(" ; ", " && "))
+    assert first[:4] == ["sudo", "ifconfig", "bridge0", "down"]
