@@ -19,10 +19,11 @@ from cluster.recorded.replay import Replay
 from macs import SCENES, Scene, platform_uuid, write
 
 from thunderpool.cluster.capabilities import node_info
-from thunderpool.cluster.jaccl import jaccl_config
+from thunderpool.cluster.jaccl import jaccl_config, pick_coordinator
 from thunderpool.cluster.messages import Hello, NodeInfo
 from thunderpool.cluster.state import ClusterState, apply
 from thunderpool.cluster.thunderbolt import cable_addresses, cables, reaches, route
+from thunderpool.errors import LaunchError
 
 config = pytest.importorskip("mlx._distributed_utils.config")
 common = pytest.importorskip("mlx._distributed_utils.common")
@@ -156,3 +157,24 @@ def test_mlx_setup_quotes(tmp_path, monkeypatch):
     _, setup = mlx_hostfile(write(SCENES["mesh2"], tmp_path / "m2"), monkeypatch, tmp_path)
     first = shlex.split(setup[0].partition(": ")[2].replace(" ; ", " && "))
     assert first[:4] == ["sudo", "ifconfig", "bridge0", "down"]
+
+
+def test_the_coordinator_is_the_first_address_every_rank_reaches(tmp_path):
+    """Checked live before launch: an address some rank cannot connect to is passed over,
+    and none at all is a clear error, not a hang in jaccl's handshake."""
+    nodes = our_nodes(write(SCENES["mesh3"], tmp_path / "m3"))
+    state = state_of(nodes)
+    order = [n.node_id for n in nodes]
+    cfg = jaccl_config(state, order, 32000)
+    lan, *cabled = cfg.candidates
+    assert lan == "192.168.1.20" and set(cabled) == {"192.168.0.1", "192.168.0.5"}
+    asked = []
+
+    def reach(node, address, port):
+        asked.append((node, address, port))
+        return address != lan or node != order[2]  # Mac 2 has no route to the LAN address
+
+    assert pick_coordinator(state, order, cfg, reach).rsplit(":", 1)[0] in cabled
+    assert {(n, p) for n, _, p in asked} == {(order[1], 7071), (order[2], 7071)}
+    with pytest.raises(LaunchError, match=r"no address of mac0 .* reachable from every other"):
+        pick_coordinator(state, order, cfg, lambda *_: False)

@@ -1,0 +1,132 @@
+"""Macs cabled in a full mesh, as namespace hosts (tests/mac/mac_testbed.py): agents that report
+recorded macOS facts join, the coordinator plans jaccl over the cables, and TP over 3 and 4
+Macs answers as one rank does. The ranks run `ring` over exactly the addresses jaccl would use:
+each rank's end of the cable the device matrix names, and a coordinator on rank 0's LAN
+address that every rank reaches (a cable's /30 reaches one peer only: the test proves it)."""
+
+from __future__ import annotations
+
+import ipaddress
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import tiny_prompts
+from mac_testbed import MacTestbed
+from macs import SCENES, platform_uuid
+from testbed import AGENT_PORT as PORT  # tests/cluster, on the path once mac_testbed is in
+from testbed import available, wait_until
+
+from thunderpool.cluster.client import AgentError
+from thunderpool.cluster.coordinator import ClusterInstance, Coordinator
+from thunderpool.engine.job import RankJob, TraceTask
+
+pytestmark = [
+    pytest.mark.skipif(available() is not None, reason=str(available())),
+    pytest.mark.cluster,
+    pytest.mark.timeout(300),
+]
+
+TOKEN = "mac-testbed-token"
+
+
+def _count(coord: Coordinator) -> int:
+    try:
+        return len(coord.discover().nodes)
+    except AgentError:
+        return 0
+
+
+@pytest.fixture
+def macs(tmp_path):
+    """start(n) -> a MacTestbed of n Macs in a full mesh with every agent joined, and its
+    coordinator; torn down after the test."""
+    beds = []
+
+    def start(n: int) -> tuple[MacTestbed, Coordinator]:
+        bed = MacTestbed(SCENES[f"mesh{n}"], tmp_path).__enter__()
+        beds.append(bed)
+        first = bed.host(1).ip
+        bed.popen(1, bed.node_cmd(0, "--token", TOKEN), stderr=subprocess.DEVNULL)
+        coord = Coordinator([f"{first}:{PORT}"], TOKEN)
+        assert wait_until(lambda: _count(coord) == 1, timeout=60)
+        for mac in range(1, n):
+            cmd = bed.node_cmd(mac, "--token", TOKEN, "--join", f"{first}:{PORT}")
+            bed.popen(mac + 1, cmd, stderr=subprocess.DEVNULL)
+        assert wait_until(lambda: _count(coord) == n, timeout=60)
+        return bed, coord
+
+    yield start
+    for bed in beds:
+        bed.down()
+
+
+def check_ranks(bed: MacTestbed, n: int) -> None:
+    """What the ranks were given is what jaccl on this mesh needs, in the planner's rank order."""
+    seen = sorted(bed.ranks_seen(), key=lambda e: e["rank"])
+    assert [e["rank"] for e in seen] == list(range(n))
+    mac = [e["mac"] for e in seen]
+    assert sorted(mac) == list(range(n))
+    # Every rank got the same matrix: rank i's device on its cable to rank j.
+    devices = seen[0]["devices"]
+    assert all(e["devices"] == devices for e in seen)
+    for i in range(n):
+        for j in range(n):
+            if i != j:
+                mine = devices[i][j].removeprefix("rdma_")
+                peer = devices[j][i].removeprefix("rdma_")
+                a = bed.scene.addresses[(mac[i], mine)][0]
+                b = bed.scene.addresses[(mac[j], peer)][0]
+                assert int(ipaddress.ip_address(a)) ^ 3 == int(ipaddress.ip_address(b))  # one /30
+    # The coordinator is rank 0's LAN address, which every rank reached before starting.
+    assert {e["coordinator"].rsplit(":", 1)[0] for e in seen} == {bed.host(mac[0] + 1).ip}
+    assert not any(e["ring_mode"] for e in seen)
+
+
+def test_tp_over_three_macs_answers_like_one_rank(macs, tmp_path, tiny_models, one_rank_trace):
+    prompts = tiny_prompts(2)
+    expected = one_rank_trace(tiny_models["llama"], prompts, 16)
+    bed, coord = macs(3)
+    state = coord.probe(coord.discover())
+    # Identical Macs of one macOS build are three machines.
+    assert sorted(x.host_id for x in state.nodes.values()) == sorted(
+        platform_uuid(m) for m in range(3)
+    )
+    by_ip = {state.contacts[x].split(":")[0]: x for x in state.nodes}
+    order = [by_ip[bed.host(i).ip] for i in (1, 2, 3)]
+    # A cable's address is no coordinator: from Mac 2, Mac 0's cable to Mac 1 is unreachable.
+    cable01 = bed.scene.addresses[(0, "en2")][0]
+    dial = f"import socket; socket.create_connection(('{cable01}', {PORT}), 2)"
+    assert subprocess.run(bed.exec_cmd(3, ["python3", "-c", dial]), capture_output=True).returncode
+
+    out = tmp_path / "tp.npz"
+    task = TraceTask(prompts=tuple(map(tuple, prompts)), max_tokens=16, out=str(out))
+    job = RankJob(model_dir=str(tiny_models["llama"]), world_size=3, parallel="tp", task=task)
+    with ClusterInstance(coord, state, order, job, timeout=180) as inst:
+        list(inst.events())
+        assert inst.backend == "jaccl"
+    np.testing.assert_array_equal(np.load(out)["tokens"], expected["tokens"])
+    np.testing.assert_allclose(np.load(out)["logits"], expected["logits"], atol=1e-4, rtol=1e-4)
+    check_ranks(bed, 3)
+
+
+def test_generate_cluster_on_four_macs_plans_tp_and_answers_like_one_process(macs, tiny_chat):
+    """The user's command on four Macs: the planner's TP4 over jaccl, the same text."""
+    bed, _ = macs(4)
+    common = ["--model", str(tiny_chat), "--prompt", "Hello", "--max-tokens", "12"]
+    cli = [sys.executable, "-m", "thunderpool", "generate"]
+    alone = subprocess.run(
+        [*cli, *common, "--nodes", "1"], capture_output=True, text=True, timeout=120
+    )
+    assert alone.returncode == 0, alone.stderr
+    join = ["--cluster", "--join", f"{bed.host(1).ip}:{PORT}", "--token", TOKEN]
+    pooled = subprocess.run(
+        [*cli, *common, *join, "--parallel", "tp", "--nodes", "4"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert pooled.returncode == 0, pooled.stderr
+    assert pooled.stdout == alone.stdout and alone.stdout.strip()
+    check_ranks(bed, 4)
