@@ -178,3 +178,32 @@ def test_the_coordinator_is_the_first_address_every_rank_reaches(tmp_path):
     assert {(n, p) for n, _, p in asked} == {(order[1], 7071), (order[2], 7071)}
     with pytest.raises(LaunchError, match=r"no address of mac0 .* reachable from every other"):
         pick_coordinator(state, order, cfg, lambda *_: False)
+
+
+def test_two_identical_macs_pool_their_memory_for_a_model_larger_than_one(tmp_path):
+    """Two Mac Studios of one model and one macOS build (equal `sysctl kern.uuid`): with the
+    hardware's UUIDs they are two machines and Kimi K2 at 4 bits (538 GiB, more than one Mac
+    holds) is placed on both; were they one machine, as the build UUID said, nothing fits."""
+    from macs import KERNEL_BUILD_UUID
+
+    from thunderpool.cluster.coordinator import node_specs
+    from thunderpool.cluster.messages import LinkMeasured
+    from thunderpool.planner.placement import PlacementError, place
+    from thunderpool.planner.simulate import load_model
+
+    nodes = our_nodes(write(SCENES["mesh2"], tmp_path / "m2"))
+    a, b = nodes
+
+    def with_link(state):
+        link = LinkMeasured(
+            a=a.node_id, b=b.node_id, a_address="192.168.0.1", b_address="192.168.0.2",
+            rtt_s=20e-6, bandwidth_Bps=8e9, link="rdma",
+        )  # fmt: skip
+        return apply(state, link)
+
+    spec = load_model("kimi-k2:q4")
+    plans = place(spec, *node_specs(with_link(state_of(nodes))))
+    assert plans and all(set(p.nodes) == {a.node_id, b.node_id} for p in plans)
+    one_box = [n.model_copy(update={"host_id": KERNEL_BUILD_UUID}) for n in nodes]
+    with pytest.raises(PlacementError):
+        place(spec, *node_specs(with_link(state_of(one_box))))
