@@ -207,3 +207,37 @@ def test_two_identical_macs_pool_their_memory_for_a_model_larger_than_one(tmp_pa
     one_box = [n.model_copy(update={"host_id": KERNEL_BUILD_UUID}) for n in nodes]
     with pytest.raises(PlacementError):
         place(spec, *node_specs(with_link(state_of(one_box))))
+
+
+@pytest.mark.parametrize("name", ["mesh4", "mesh3_double", "ring4"])
+def test_rank_environment_matches_mlx_launch(name, tmp_path, monkeypatch):
+    """What `mlx.launch --backend jaccl[-ring] --hostfile H` hands every rank (its files and
+    environment, from mlx/_distributed_utils/launch.py) is what our agents hand ours, the
+    coordinator's port aside."""
+    launch = pytest.importorskip("mlx._distributed_utils.launch")
+    dirs = write(SCENES[name], tmp_path / name)
+    hostfile, _ = mlx_hostfile(dirs, monkeypatch, tmp_path)
+    (tmp_path / "h.json").write_text(json.dumps(hostfile))
+    hosts = common.Hostfile.from_file(tmp_path / "h.json").hosts
+    started = []
+    monkeypatch.setattr(
+        launch, "_launch_with_io", lambda cls, arguments, v: started.extend(arguments)
+    )
+    args = argparse.Namespace(
+        backend=hostfile["backend"],
+        env=[],
+        cwd=None,
+        verbose=False,
+        starting_port=32000,
+        python=None,
+    )
+    launch.launch_jaccl(argparse.ArgumentParser(), hosts, args, ["python", "-m", "x"])
+    (_, _, _, _, files, env, _), _ = started[0]
+    assert all(a[0][4] == files and a[0][5] == env for a in started)
+
+    nodes = our_nodes(dirs)
+    by_name = {n.name: n.node_id for n in nodes}
+    order = [by_name[h.ssh_hostname] for h in hosts]
+    cfg = jaccl_config(state_of(nodes), order, 32000)
+    assert cfg.files() == files
+    assert sorted(f"{k}={v}" for k, v in cfg.env().items()) == sorted(env)
