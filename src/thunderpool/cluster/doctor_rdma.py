@@ -110,14 +110,15 @@ def _peer_end(nodes: Sequence[NodeInfo], me: int, iface: str) -> tuple[Cable, in
     return None
 
 
-def cable_problems(nodes: Sequence[NodeInfo], c: Cable) -> list[str]:
-    """What stops cable `c`, seen from both its ends (the same from every node)."""
+def cable_problems(nodes: Sequence[NodeInfo], c: Cable, first: int | None = None) -> list[str]:
+    """What stops cable `c`, seen from both its ends (the same from every node); node
+    `first`'s end is named first."""
     a_ips, b_ips = _ipv4(nodes[c.i], c.a), _ipv4(nodes[c.j], c.b)
     found = [
         end_problem(nodes[c.i], c.a, b_ips[0].address if b_ips else None),
         end_problem(nodes[c.j], c.b, a_ips[0].address if a_ips else None),
     ]
-    return [p for p in found if p]
+    return [p for p in (found[::-1] if first == c.j else found) if p]
 
 
 def commands_for(ends: Sequence[tuple[str, str, str]]) -> tuple[tuple[str, ...], ...]:
@@ -175,7 +176,7 @@ def check_cable_ends(local: NodeInfo, peers: Sequence[NodeInfo]) -> list[Check]:
             checks.append(Check(name, "FAIL", f"{problem} (cable to {who})", fix))
             continue
         c, j, far = found
-        problems = cable_problems(nodes, c)
+        problems = cable_problems(nodes, c, first=me)
         peer = nodes[j]
         if not problems:
             theirs = _ipv4(peer, far)[0].address
