@@ -394,3 +394,38 @@ def test_linux_on_the_reference_blas_warns_with_the_install_line(monkeypatch):
     off = checks_for("linux", system="Linux", blas=lambda: {})["BLAS"]
     assert (off.status, off.fix) == ("WARN", "unset THUNDERPOOL_BLAS")
     assert "BLAS" not in checks_for("macos26_rdma_tb5")  # Accelerate: nothing to check
+
+
+def test_doctor_main_asks_the_local_agent_for_the_peers(capsys, monkeypatch, tmp_path):
+    """Without --join, doctor asks this machine's agent (127.0.0.1:PORT, the stored token) for
+    the cluster and compares this node with the peers it reports: here one that claims this
+    machine's host id under another name."""
+    import json
+
+    from thunderpool.cluster.capabilities import node_info
+    from thunderpool.cluster.coordinator import Coordinator
+    from thunderpool.cluster.messages import Hello
+    from thunderpool.cluster.state import ClusterState, apply
+
+    monkeypatch.setenv("COLUMNS", "300")
+    monkeypatch.setenv("THUNDERPOOL_HOME", str(tmp_path))
+    monkeypatch.delenv("THUNDERPOOL_TOKEN", raising=False)
+    (tmp_path / "identity.json").write_text(json.dumps({"node_id": "me", "token": "tok"}))
+    here = node_info(7070, "me", measure=False)
+    twin = peer("other-box", __version__, mx.__version__).model_copy(
+        update={"host_id": here.host_id}
+    )
+    asked = []
+
+    def discover(self):
+        asked.append((self.seeds, self.token))
+        state = apply(ClusterState(), Hello(node=here, contact="127.0.0.1:7070"))
+        return apply(state, Hello(node=twin, contact="10.0.0.9:7070"))
+
+    monkeypatch.setattr(Coordinator, "discover", discover)
+    port = _free_port()
+    args = _parse(["doctor", "--port", str(port), "--ring-ports", f"{port + 2}-{port + 3}"])
+    assert doctor_main(args) == 1
+    assert asked == [([f"127.0.0.1:{port}"], "tok")]
+    out = capsys.readouterr().out
+    assert f"{here.name}, other-box report one host id {here.host_id}" in out

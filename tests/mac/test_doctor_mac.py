@@ -468,3 +468,50 @@ def test_cable_plan_is_mlx_numbering_in_node_id_order(tmp_path):
     assert [x.name for x in view] == ["studio-2", "studio-1", "studio-0", "studio-3"]
     found = cables(view)
     assert re.fullmatch(r"192\.168\.0\.1", cable_addresses(found)[0, found[0].a])
+
+
+def test_a_mac_alone_checks_its_own_cable_ends(tmp_path):
+    """Before the agents run, doctor checks each cable end by itself; it cannot plan addresses
+    without the other Macs' reports, and says how to get them."""
+    wires = mesh(3)
+    addresses = mlx_addresses(Scene(3, wires))
+    del addresses[0, "en3"]
+    dirs, nodes = macs(Scene(3, wires, addresses=addresses), tmp_path)
+    checks, ran, code, _ = doctor(dirs[:1], nodes[:1], 0, "--fix")
+    assert checks["cable en2"].status == "PASS"
+    assert checks["cable en2"].detail == "192.168.0.1/30 to a Mac that is not in the cluster"
+    end = checks["cable en3"]
+    assert (end.status, end.detail) == (
+        "FAIL",
+        "studio-0's en3 has no IPv4 address (cable to a Mac that is not in the cluster)",
+    )
+    assert end.fix.startswith("start `thunderpool node` on every Mac (joined over the LAN)")
+    assert {k: checks[k].status for k in ("RDMA mesh", "cable addresses", "host ids")} == {
+        "RDMA mesh": "SKIP",
+        "cable addresses": "SKIP",
+        "host ids": "SKIP",
+    }
+    assert (ran, code) == ([], 1)
+
+
+def test_a_mac_already_set_up_waits_for_the_others(tmp_path):
+    """Mac 0 ran --fix (its own report is fresh); its peers' agents still report no cable
+    addresses: the cables fail, this Mac has nothing left to run, the others must run --fix."""
+    n = 3
+    plan = {}
+    _, stale = macs(Scene(n, mesh(n), addresses={}), tmp_path / "stale")
+    view = sorted(stale, key=lambda x: x.node_id)
+    for i, node in enumerate(view):
+        m = int(node.name[-1])
+        plan |= {(m, iface): (ip, 30) for iface, ip, _ in planned_ends(view, i)}
+    mine = {k: v for k, v in plan.items() if k[0] == 0}
+    dirs, fresh = macs(Scene(n, mesh(n), addresses=mine, wired_limit_mb=FULL_LIMIT), tmp_path)
+    checks, ran, code, _ = doctor(dirs, [fresh[0], *stale[1:]], 0, "--fix")
+    cabling = checks["cable addresses"]
+    assert cabling.status == "FAIL"
+    assert cabling.fix.startswith(
+        "this Mac's ends are set; run `thunderpool doctor --fix` on the other Macs; peers' "
+        "addresses are as their agents reported when they started"
+    )
+    assert checks["cable en2"].detail == "studio-1's en2 has no IPv4 address"
+    assert (ran, code) == ([], 1)

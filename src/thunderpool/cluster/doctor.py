@@ -282,12 +282,17 @@ def _bind_failure(err: OSError) -> Status:
     return "WARN" if err.errno == errno.EADDRINUSE else "FAIL"
 
 
-def check_ports(port: int, ring_ports: tuple[int, int], bind: Bind) -> list[Check]:
+def check_ports(
+    port: int, ring_ports: tuple[int, int], bind: Bind, agent_here: bool = False
+) -> list[Check]:
+    """`agent_here`: this machine's agent answered (so it holds the agent and probe ports)."""
     checks = []
     for label, p in (("agent port", port), ("probe port", port + 1)):
         err = bind(p)
         if err is None:
             checks.append(Check(label, "PASS", f"{p} can be bound"))
+        elif agent_here and err.errno == errno.EADDRINUSE:
+            checks.append(Check(label, "PASS", f"{p} is held by this machine's agent"))
         else:
             fix = (
                 f"if `thunderpool node` runs here it holds {p}; otherwise stop what holds it "
@@ -362,6 +367,7 @@ def run_checks(
     *,
     local: NodeInfo | None = None,
     shard_bytes: int | None = None,
+    agent_here: bool = False,
     port: int = AGENT_PORT,
     ring_ports: tuple[int, int] = RING_PORTS,
     bind: Bind = try_bind,
@@ -373,7 +379,8 @@ def run_checks(
 ) -> list[Check]:
     """Every check for a node on `platform_name` (platform.system(): "Darwin", "Linux").
     `local`: this node's NodeInfo (on macOS read through `run` when not given); `peer_infos`:
-    the other nodes', as their agents report them; `shard_bytes`: the shard this node holds."""
+    the other nodes', as their agents report them; `shard_bytes`: the shard this node holds;
+    `agent_here`: this machine's agent answered (it holds the agent port)."""
     macos = platform_name == "Darwin"
     checks: list[Check] = []
     if macos:
@@ -411,7 +418,7 @@ def run_checks(
             )
         )
         checks.append(check_blas(blas(), blas_choice()))
-    checks += check_ports(port, ring_ports, bind)
+    checks += check_ports(port, ring_ports, bind, agent_here)
     if macos:
         checks.append(check_firewall(*run((FIREWALL, "--getglobalstate"))))
     else:

@@ -136,8 +136,9 @@ def stored_identity() -> tuple[str, str | None]:
 
 def cluster_peers(
     args: argparse.Namespace, node_id: str, token: str | None
-) -> tuple[list[NodeInfo], str]:
-    """The other nodes' reports as the cluster's agents know them, or why there are none."""
+) -> tuple[list[NodeInfo], str, bool]:
+    """The other nodes' reports as the cluster's agents know them (or why there are none), and
+    whether this machine's agent is among the cluster's."""
     from thunderpool.cluster.coordinator import Coordinator
     from thunderpool.config import token_from_env
     from thunderpool.errors import ThunderpoolError
@@ -145,12 +146,13 @@ def cluster_peers(
     token = args.token or token_from_env() or token
     seeds = args.join or [f"127.0.0.1:{args.port}"]
     if token is None:
-        return [], "cluster checks: no cluster token here (start `thunderpool node` first)"
+        return [], "cluster checks: no cluster token here (start `thunderpool node` first)", False
     try:
         state = Coordinator(seeds, token).discover()
     except ThunderpoolError as e:
-        return [], f"cluster checks: no agent answered at {', '.join(seeds)} ({e})"
-    return [n for key, n in state.nodes.items() if key != node_id], ""
+        return [], f"cluster checks: no agent answered at {', '.join(seeds)} ({e})", False
+    peers = [n for key, n in state.nodes.items() if key != node_id]
+    return peers, "", node_id in state.nodes
 
 
 def run_doctor(
@@ -161,6 +163,7 @@ def run_doctor(
     local: NodeInfo | None,
     peer_infos: Sequence[NodeInfo],
     say: Say = print,
+    agent_here: bool = False,
     **probes,
 ) -> tuple[list[Check], int]:
     """The checks, printed; with --fix their commands run through `fix_run`. The exit code:
@@ -173,6 +176,7 @@ def run_doctor(
         peer_infos=peer_infos,
         local=local,
         shard_bytes=shard,
+        agent_here=agent_here,
         port=args.port,
         ring_ports=args.ring_ports,
         **probes,
@@ -198,11 +202,19 @@ def doctor_main(args: argparse.Namespace, peer_infos: Sequence[NodeInfo] | None 
     """Print the checks (and run the fixes with --fix); exit 0 when none failed, else 1."""
     system = platform.system()
     node_id, token = stored_identity()
-    note = ""
+    note, here = "", False
     if peer_infos is None:
-        peer_infos, note = cluster_peers(args, node_id, token)
+        peer_infos, note, here = cluster_peers(args, node_id, token)
     local = node_info(args.port, node_id, measure=False)
-    _, code = run_doctor(args, system, subprocess_runner, interactive_runner, local, peer_infos)
+    _, code = run_doctor(
+        args,
+        system,
+        subprocess_runner,
+        interactive_runner,
+        local,
+        peer_infos,
+        agent_here=here,
+    )
     if note:
         print(note)
     return code
