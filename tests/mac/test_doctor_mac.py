@@ -515,3 +515,27 @@ def test_a_mac_already_set_up_waits_for_the_others(tmp_path):
     )
     assert checks["cable en2"].detail == "studio-1's en2 has no IPv4 address"
     assert (ran, code) == ([], 1)
+
+
+def test_a_route_change_without_a_route_to_change_goes_on():
+    """`route change PEER` exits 1 where no other route to the peer exists ("not in table"):
+    the cable's /30 routes it, so --fix goes on, as MLX's --auto-setup does."""
+    said, ran = [], []
+    cmds = (
+        ("sudo", "ifconfig", "en2", "inet", "192.168.0.1", "netmask", "255.255.255.252"),
+        ("sudo", "route", "change", "192.168.0.2", "-interface", "en2"),
+        ("sudo", "ifconfig", "en3", "inet", "192.168.0.5", "netmask", "255.255.255.252"),
+    )
+
+    def run(argv):
+        ran.append(tuple(argv))
+        return (1, "") if argv[1] == "route" else (0, "")
+
+    assert (
+        apply_fixes([Check("cable addresses", "FAIL", "", "", cmds)], "Darwin", run, said.append)
+        == 0
+    )
+    assert ran == list(cmds)
+    assert said[3] == (
+        "  (exit code 1: no other route to 192.168.0.2; the cable's network routes it)"
+    )

@@ -66,9 +66,13 @@ def _ipv4(node: NodeInfo, iface: str) -> list[Interface]:
 
 
 def _far_ends(x: Interface, net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> list[str]:
-    """Addresses on `x`'s network other than its own: on a /30 the other end of the cable."""
-    hosts = [str(h) for h in (net.hosts() if net.prefixlen < 31 else net) if str(h) != x.address]
-    return hosts if net.prefixlen >= 30 else [hosts[0], hosts[-1]]
+    """Addresses on `x`'s network other than its own: on a /30 the other end of the cable, on
+    a wider one its first and last host."""
+    if net.prefixlen >= 31:
+        hosts = [net.network_address, net.broadcast_address]
+    else:
+        hosts = [net.network_address + 1, net.broadcast_address - 1]
+    return [str(h) for h in dict.fromkeys(hosts) if str(h) != x.address]
 
 
 def end_problem(node: NodeInfo, iface: str, peer_ip: str | None) -> str | None:
@@ -307,6 +311,10 @@ def check_host_ids(nodes: Sequence[NodeInfo]) -> Check:
 # ---- GPU wired limit ------------------------------------------------------------------------
 
 
+def gb(size: int) -> str:
+    return f"{size / GB:.0f} GB"
+
+
 def default_working_set(memory: int) -> int:
     """macOS's default GPU wired limit, Metal's recommended working set, where MLX cannot be
     asked: about 2/3 of memory up to 36 GB, 3/4 above."""
@@ -323,7 +331,6 @@ def check_wired_limit(
     target = (memory - OS_RESERVE_BYTES) // MiB  # sysctl counts whole MiB
     room = target * MiB
     command = ("sudo", "sysctl", f"iogpu.wired_limit_mb={target}")
-    gb = lambda b: f"{b / GB:.0f} GB"  # noqa: E731
     if code != 0 or not out.strip().isdigit():
         return Check(
             name, "WARN", "cannot read `sysctl -n iogpu.wired_limit_mb`", " ".join(command)
