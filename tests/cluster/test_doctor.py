@@ -16,6 +16,8 @@ from thunderpool.cluster.doctor import (
     check_thunderbolt,
     parse_peer,
     parse_thunderbolt_ports,
+    probe_jaccl,
+    probe_working_set,
     run_checks,
     try_bind,
     try_connect,
@@ -429,3 +431,11 @@ def test_doctor_main_asks_the_local_agent_for_the_peers(capsys, monkeypatch, tmp
     assert asked == [([f"127.0.0.1:{port}"], "tok")]
     out = capsys.readouterr().out
     assert f"{here.name}, other-box report one host id {here.host_id}" in out
+
+
+def test_probes_ask_the_installed_mlx():
+    """jaccl by name (`is_available(backend=...)`, never None on an MLX that takes it); no
+    Metal working set off a Mac."""
+    assert probe_jaccl() is mx.distributed.is_available(backend="jaccl")
+    if mx.default_device() == mx.cpu:
+        assert probe_working_set() is None

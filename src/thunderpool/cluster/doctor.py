@@ -110,8 +110,9 @@ def probe_working_set() -> int | None:
     try:
         import mlx.core as mx
 
-        return int(mx.device_info()["max_recommended_working_set_size"]) or None
-    except Exception:  # no Metal device, or an MLX without device_info
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        return int(info["max_recommended_working_set_size"]) or None
+    except Exception:  # no Metal device (the key is missing), or no device_info at all
         return None
 
 

@@ -77,7 +77,7 @@ def _far_ends(x: Interface, net: ipaddress.IPv4Network | ipaddress.IPv6Network) 
 
 def end_problem(node: NodeInfo, iface: str, peer_ip: str | None) -> str | None:
     """Why `node`'s cable end `iface` does not carry traffic to the Mac at the other end (at
-    `peer_ip`, None: unknown, then every other address of its subnet), or None: it does."""
+    `peer_ip`; None: unknown, then the other end of its /30), or None: it does."""
     mine = _ipv4(node, iface)
     if not mine:
         return f"{node.name}'s {iface} has no IPv4 address"
