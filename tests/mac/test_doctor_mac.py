@@ -22,6 +22,7 @@ from thunderpool.cluster.doctor_fix import apply_fixes
 from thunderpool.cluster.doctor_rdma import (
     check_host_ids,
     check_jaccl,
+    check_mesh,
     cluster_nodes,
     planned_ends,
 )
@@ -154,6 +155,18 @@ def test_rdma_disabled(tmp_path):
     assert mesh_check.fix.startswith("run `thunderpool doctor` on studio-1, studio-0")
     # Nothing --fix can run: RDMA is switched on from Recovery only.
     assert (ran, code) == ([], 1)
+
+
+def test_a_linux_node_among_the_macs_warns(tmp_path):
+    _, nodes = macs(SCENES["mesh2"], tmp_path)
+    linux = nodes[1].model_copy(
+        update={"node_id": "9-box", "name": "box", "os": "Linux 6.1", "thunderbolt": ()}
+    )
+    check = check_mesh([*nodes, linux])
+    assert (check.status, check.detail) == (
+        "WARN",
+        "box: not macOS, so ranks that span them run ring over TCP",
+    )
 
 
 def test_jaccl_missing_from_mlx():

@@ -252,12 +252,16 @@ def check_mesh(nodes: Sequence[NodeInfo]) -> Check:
         return Check(name, "SKIP", note)
     if not any(n.thunderbolt for n in nodes):
         return Check(name, "SKIP", "no node reports Thunderbolt ports")
-    no_jaccl = [n.name for n in nodes if "jaccl" not in n.backends]
+    no_jaccl = [n.name for n in nodes if "jaccl" not in n.backends and n.os.startswith("macOS")]
     if no_jaccl:
         names = ", ".join(no_jaccl)
         detail = f"{names} cannot run jaccl: the cluster's ranks run ring over TCP"
         fix = f"run `thunderpool doctor` on {names} (RDMA enabled from Recovery, macOS 26.2+)"
         return Check(name, "FAIL", detail, fix)
+    others = [n.name for n in nodes if not n.os.startswith("macOS")]
+    if others:
+        detail = f"{', '.join(others)}: not macOS, so ranks that span them run ring over TCP"
+        return Check(name, "WARN", detail, "jaccl (RDMA) joins Macs only")
     found = cables(nodes)
     pairs = {(c.i, c.j) for c in found}
     n = len(nodes)
