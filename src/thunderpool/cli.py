@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_parser(sub)
     add_simulate_parser(sub)
     try:
-        from thunderpool.cluster.doctor import add_doctor_parser
+        from thunderpool.cluster.doctor_cli import add_doctor_parser
 
         add_doctor_parser(sub)
     except ImportError:
@@ -338,7 +338,7 @@ def _main(argv: list[str] | None) -> int:
 
                 return simulate_main(args)
             case "doctor":
-                from thunderpool.cluster.doctor import doctor_main
+                from thunderpool.cluster.doctor_cli import doctor_main
 
                 return doctor_main(args)
             case "chat":

@@ -13,15 +13,16 @@ from recorded.replay import Replay
 from thunderpool import __version__
 from thunderpool.cluster.doctor import (
     Check,
-    add_doctor_parser,
     check_thunderbolt,
-    doctor_main,
     parse_peer,
     parse_thunderbolt_ports,
+    probe_jaccl,
+    probe_working_set,
     run_checks,
     try_bind,
     try_connect,
 )
+from thunderpool.cluster.doctor_cli import add_doctor_parser, doctor_main
 from thunderpool.cluster.messages import NodeInfo
 
 MLX_OK = ("0.32.4", True, "")
@@ -39,7 +40,14 @@ def connect_ok(host: str, port: int, timeout: float) -> OSError | None:
 
 
 def checks_for(scene: str, system: str = "Darwin", **kw) -> dict[str, Check]:
-    kw = {"bind": bind_ok, "connect": connect_ok, "mlx": lambda: MLX_OK, "blas": lambda: BLIS} | kw
+    kw = {
+        "bind": bind_ok,
+        "connect": connect_ok,
+        "mlx": lambda: MLX_OK,
+        "blas": lambda: BLIS,
+        "jaccl": lambda: True,
+        "working_set": lambda: None,
+    } | kw
     checks = run_checks(system, Replay(scene), **kw)
     by_name = {c.name: c for c in checks}
     assert len(by_name) == len(checks), "check names must be unique"
@@ -60,12 +68,17 @@ def test_macos_26_rdma_tb5_all_pass():
         "RDMA devices": "PASS",
         "MLX": "PASS",
         "ring backend": "PASS",
+        "jaccl backend": "PASS",
+        "GPU wired limit": "PASS",
         "agent port": "PASS",
         "probe port": "PASS",
         "ring ports": "PASS",
         "firewall": "PASS",
         "peer 192.168.0.2:7070": "PASS",
         "same versions": "SKIP",
+        "RDMA mesh": "SKIP",
+        "cable addresses": "SKIP",
+        "host ids": "SKIP",
     }
     assert checks["RDMA devices"].detail == "`ibv_devices`: rdma_en3, rdma_en4"
     assert checks["Thunderbolt 5"].detail == "2 Thunderbolt 5 link(s): 80 Gb/s, 80 Gb/s"
@@ -75,7 +88,7 @@ def test_macos_26_rdma_tb5_all_pass():
 
 
 def test_macos_15_without_rdma():
-    checks = checks_for("macos15")
+    checks = checks_for("macos15", jaccl=lambda: False)
     assert statuses(checks) == {
         "macOS version": "FAIL",
         "RDMA enabled": "SKIP",
@@ -84,11 +97,16 @@ def test_macos_15_without_rdma():
         "RDMA devices": "SKIP",
         "MLX": "PASS",
         "ring backend": "PASS",
+        "jaccl backend": "FAIL",
+        "GPU wired limit": "WARN",
         "agent port": "PASS",
         "probe port": "PASS",
         "ring ports": "PASS",
         "firewall": "WARN",
         "same versions": "SKIP",
+        "RDMA mesh": "SKIP",
+        "cable addresses": "SKIP",
+        "host ids": "SKIP",
     }
     assert checks["macOS version"].detail == "macOS 15.5 < 26.2"
     assert (
@@ -102,11 +120,20 @@ def test_macos_15_without_rdma():
     assert bridge.detail == "the Thunderbolt Bridge service is enabled"
     assert 'networksetup -setnetworkserviceenabled "Thunderbolt Bridge" off' in bridge.fix
     assert "its own network" in bridge.fix
+    assert bridge.commands == (
+        ("sudo", "networksetup", "-setnetworkserviceenabled", "Thunderbolt Bridge", "off"),
+        ("sudo", "ifconfig", "bridge0", "down"),
+    )
     assert "socketfilterfw --add" in checks["firewall"].fix
+    jaccl = checks["jaccl backend"]
+    assert jaccl.detail == "mx.distributed.is_available('jaccl') is False (mlx 0.32.4)"
+    assert 'pip install -U "mlx>=0.30"' in jaccl.fix and "macOS 26.2" in jaccl.fix
+    wired = checks["GPU wired limit"]
+    assert (wired.detail, wired.commands) == ("cannot read `sysctl -n iogpu.wired_limit_mb`", ())
 
 
 def test_macos_26_rdma_disabled_tb4_bridge_on():
-    checks = checks_for("macos26_rdma_off_tb4")
+    checks = checks_for("macos26_rdma_off_tb4", jaccl=lambda: False)
     assert statuses(checks) == {
         "macOS version": "PASS",
         "RDMA enabled": "FAIL",
@@ -115,17 +142,29 @@ def test_macos_26_rdma_disabled_tb4_bridge_on():
         "RDMA devices": "SKIP",
         "MLX": "PASS",
         "ring backend": "PASS",
+        "jaccl backend": "FAIL",
+        "GPU wired limit": "WARN",
         "agent port": "PASS",
         "probe port": "PASS",
         "ring ports": "PASS",
         "firewall": "PASS",
         "same versions": "SKIP",
+        "RDMA mesh": "SKIP",
+        "cable addresses": "SKIP",
+        "host ids": "SKIP",
     }
     rdma = checks["RDMA enabled"]
     assert rdma.detail == "`rdma_ctl status`: disabled"
     for step in ("Recovery", "hold the power button", "Options → Terminal", "rdma_ctl enable"):
         assert step in rdma.fix
     assert "Thunderbolt Bridge" in checks["Thunderbolt Bridge"].fix
+    # 32 GB on the default limit (0): Metal wires about 2/3 of it, less than a shard may need.
+    wired = checks["GPU wired limit"]
+    assert wired.detail == (
+        "iogpu.wired_limit_mb is 0: Metal's default, estimated, ≈ 23 GB of 34 GB: below a "
+        "shard of up to 26 GB (memory less the 8 GB OS reserve; --shard-gb checks the planned one)"
+    )
+    assert wired.commands == (("sudo", "sysctl", "iogpu.wired_limit_mb=25138"),)
 
 
 def test_linux_skips_mac_checks():
@@ -141,15 +180,20 @@ def test_linux_skips_mac_checks():
         ("RDMA devices", "SKIP", "not macOS"),
         ("MLX", "PASS", "mlx 0.32.4 imports"),
         ("ring backend", "PASS", "mx.distributed ring is available"),
+        ("jaccl backend", "SKIP", "not macOS"),
+        ("GPU wired limit", "SKIP", "not macOS"),
         ("ip command", "PASS", "`ip` (iproute2) is installed"),
         ("BLAS", "PASS", f"ranks preload BLIS: {BLIS_PATH}"),
         ("agent port", "PASS", "7070 can be bound"),
         ("probe port", "PASS", "7071 can be bound"),
         ("ring ports", "PASS", "29500-29531 can be bound"),
         ("firewall", "SKIP", "not macOS"),
-        ("same versions", "SKIP", checks[-1].detail),
+        ("same versions", "SKIP", checks[-4].detail),
+        ("RDMA mesh", "SKIP", "not macOS"),
+        ("cable addresses", "SKIP", "not macOS"),
+        ("host ids", "SKIP", "no peer reports to compare"),
     ]
-    assert "running cluster" in checks[-1].detail
+    assert "running cluster" in checks[-4].detail
     assert run.calls == [("ip", "-V")]  # no Mac command was run
 
 
@@ -352,3 +396,46 @@ def test_linux_on_the_reference_blas_warns_with_the_install_line(monkeypatch):
     off = checks_for("linux", system="Linux", blas=lambda: {})["BLAS"]
     assert (off.status, off.fix) == ("WARN", "unset THUNDERPOOL_BLAS")
     assert "BLAS" not in checks_for("macos26_rdma_tb5")  # Accelerate: nothing to check
+
+
+def test_doctor_main_asks_the_local_agent_for_the_peers(capsys, monkeypatch, tmp_path):
+    """Without --join, doctor asks this machine's agent (127.0.0.1:PORT, the stored token) for
+    the cluster and compares this node with the peers it reports: here one that claims this
+    machine's host id under another name."""
+    import json
+
+    from thunderpool.cluster.capabilities import node_info
+    from thunderpool.cluster.coordinator import Coordinator
+    from thunderpool.cluster.messages import Hello
+    from thunderpool.cluster.state import ClusterState, apply
+
+    monkeypatch.setenv("COLUMNS", "300")
+    monkeypatch.setenv("THUNDERPOOL_HOME", str(tmp_path))
+    monkeypatch.delenv("THUNDERPOOL_TOKEN", raising=False)
+    (tmp_path / "identity.json").write_text(json.dumps({"node_id": "me", "token": "tok"}))
+    here = node_info(7070, "me", measure=False)
+    twin = peer("other-box", __version__, mx.__version__).model_copy(
+        update={"host_id": here.host_id}
+    )
+    asked = []
+
+    def discover(self):
+        asked.append((self.seeds, self.token))
+        state = apply(ClusterState(), Hello(node=here, contact="127.0.0.1:7070"))
+        return apply(state, Hello(node=twin, contact="10.0.0.9:7070"))
+
+    monkeypatch.setattr(Coordinator, "discover", discover)
+    port = _free_port()
+    args = _parse(["doctor", "--port", str(port), "--ring-ports", f"{port + 2}-{port + 3}"])
+    assert doctor_main(args) == 1
+    assert asked == [([f"127.0.0.1:{port}"], "tok")]
+    out = capsys.readouterr().out
+    assert f"{here.name}, other-box report one host id {here.host_id}" in out
+
+
+def test_probes_ask_the_installed_mlx():
+    """jaccl by name (`is_available(backend=...)`, never None on an MLX that takes it); no
+    Metal working set off a Mac."""
+    assert probe_jaccl() is mx.distributed.is_available(backend="jaccl")
+    if mx.default_device() == mx.cpu:
+        assert probe_working_set() is None

@@ -51,6 +51,9 @@ class Scene:
     lan: list[tuple[str, int]] = field(default_factory=list)
     addresses: dict[tuple[int, str], tuple[str, int]] | None = None  # (mac, iface) -> (ip, /)
     bridge_on: bool = False
+    # Failure knobs (tests/mac/test_doctor_mac.py); the defaults render the scenes above as before.
+    rdma_off: bool = False  # `rdma_ctl status` says disabled; `ibv_devices` lists nothing
+    wired_limit_mb: int | None = None  # `sysctl -n iogpu.wired_limit_mb` (0: Metal's default)
 
     def __post_init__(self) -> None:
         self.lan = self.lan or [(f"192.168.1.{20 + m}", 24) for m in range(self.n)]
@@ -231,9 +234,11 @@ def ifconfig(scene: Scene, mac: int) -> str:
     return "\n".join(out) + "\n"
 
 
-def ibv_devices(mac: int) -> str:
-    # One device per Thunderbolt port once RDMA is enabled, cabled or not.
+def ibv_devices(mac: int, rdma_off: bool = False) -> str:
+    # One device per Thunderbolt port once RDMA is enabled, cabled or not; none while disabled.
     out = "    device          \t   node GUID\n    ------          \t----------------\n"
+    if rdma_off:
+        return out
     for p in range(1, PORTS + 1):
         out += f"    rdma_{iface(p):<12}\t6a3e55fffe{mac:02x}{p:04x}\n"
     return out
@@ -259,7 +264,7 @@ def ioreg(mac: int) -> str:
 
 def outputs(scene: Scene, mac: int) -> dict[str, str]:
     """File name (as tests/cluster/recorded/replay.py names them) -> what the tool printed."""
-    return {
+    found = {
         "sw_vers.txt": "26.2\n",
         "sysctl_brand.txt": "Apple M3 Ultra\n",
         "sysctl_memsize.txt": "549755813888\n",
@@ -268,14 +273,17 @@ def outputs(scene: Scene, mac: int) -> dict[str, str]:
         "vm_stat.txt": (
             RECORDED.parent.parent / "cluster/recorded/macos26_rdma_tb5/vm_stat.txt"
         ).read_text(),
-        "rdma_ctl_status.txt": "enabled\n",
-        "ibv_devices.txt": ibv_devices(mac),
+        "rdma_ctl_status.txt": "disabled\n" if scene.rdma_off else "enabled\n",
+        "ibv_devices.txt": ibv_devices(mac, scene.rdma_off),
         "ifconfig.txt": ifconfig(scene, mac),
         "networksetup_listallhardwareports.txt": hardware_ports(mac),
         "system_profiler_thunderbolt.json": thunderbolt_json(scene, mac),
         "ipconfig_getifaddr_en0.txt": scene.lan[mac][0] + "\n",
         "socketfilterfw.txt": "Firewall is disabled. (State = 0)\n",
     }
+    if scene.wired_limit_mb is not None:
+        found["sysctl_iogpu_wired_limit_mb.txt"] = f"{scene.wired_limit_mb}\n"
+    return found
 
 
 def write(scene: Scene, where: Path) -> list[Path]:

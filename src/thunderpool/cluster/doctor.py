@@ -7,32 +7,36 @@ setup: macOS 26.2+, RDMA enabled from Recovery, TB5 links, no Thunderbolt Bridge
 
 from __future__ import annotations
 
-import argparse
 import errno
-import platform
 import re
 import socket
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal
 
 from thunderpool import __version__
 from thunderpool.cluster.blas import INSTALL, kind_of
 from thunderpool.cluster.capabilities import (
     RDMA_MIN_MACOS,
     Runner,
+    node_info,
     parse_ibv_devices,
     parse_ifconfig,
     parse_macos_version,
     parse_rdma_ctl,
-    subprocess_runner,
     version_text,
+)
+from thunderpool.cluster.checks import Check, Status
+from thunderpool.cluster.doctor_rdma import (
+    check_cable_ends,
+    check_cable_plan,
+    check_host_ids,
+    check_jaccl,
+    check_mesh,
+    check_wired_limit,
+    cluster_nodes,
 )
 from thunderpool.cluster.messages import NodeInfo
 from thunderpool.config import blas_choice
-
-Status = Literal["PASS", "WARN", "FAIL", "SKIP"]
 
 # Mirrors `thunderpool node --port` (the probe listens on port+1) and the start of the
 # coordinator's ring port range (RING_PORT_BASE); a sample of it is checked.
@@ -45,17 +49,11 @@ RECOVERY = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Check:
-    name: str
-    status: Status
-    detail: str
-    fix: str = ""
-
-
 Bind = Callable[[int], OSError | None]
 Connect = Callable[[str, int, float], OSError | None]
 MlxProbe = Callable[[], tuple[str | None, bool, str]]
+JacclProbe = Callable[[], bool | None]  # mx.distributed.is_available(backend="jaccl")
+WorkingSetProbe = Callable[[], int | None]  # Metal's recommended working set, bytes
 BlasProbe = Callable[[], dict[str, str]]  # the rank environment's BLAS (cluster/blas.py)
 
 
@@ -93,6 +91,29 @@ def probe_mlx() -> tuple[str | None, bool, str]:
     except Exception as e:  # a broken wheel raises more than ImportError
         return None, False, f"{type(e).__name__}: {e}"
     return mx.__version__, bool(mx.distributed.is_available("ring")), ""
+
+
+def probe_jaccl() -> bool | None:
+    """Whether the installed MLX can run jaccl; None where it cannot be asked for one backend."""
+    try:
+        import mlx.core as mx
+    except Exception:
+        return False
+    try:
+        return bool(mx.distributed.is_available(backend="jaccl"))
+    except TypeError:  # an MLX older than per-backend availability
+        return None
+
+
+def probe_working_set() -> int | None:
+    """Metal's recommended working set (the GPU wired limit's default), None off Metal."""
+    try:
+        import mlx.core as mx
+
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        return int(info["max_recommended_working_set_size"]) or None
+    except Exception:  # no Metal device (the key is missing), or no device_info at all
+        return None
 
 
 # ---- macOS checks ---------------------------------------------------------------------------
@@ -162,18 +183,23 @@ def check_bridge(services: tuple[int, str], ifconfig: tuple[int, str]) -> Check:
         'sudo networksetup -setnetworkserviceenabled "Thunderbolt Bridge" off  '
         "(RDMA needs each Thunderbolt link on its own network, not one bridge over all)"
     )
+    # --fix: the service off (kept across restarts), then bridge0 down now, as MLX's setup does.
+    down = ("sudo", "ifconfig", "bridge0", "down")
+    service_off = ("sudo", "networksetup", "-setnetworkserviceenabled", "Thunderbolt Bridge", "off")
     code, out = services
     if code == 0:
         # networksetup marks a disabled service with a leading '*'.
         for line in out.splitlines():
             if line.strip() == "Thunderbolt Bridge":
-                return Check(name, "FAIL", "the Thunderbolt Bridge service is enabled", fix)
+                detail = "the Thunderbolt Bridge service is enabled"
+                return Check(name, "FAIL", detail, fix, (service_off, down))
             if line.strip() == "*Thunderbolt Bridge":
                 return Check(name, "PASS", "the Thunderbolt Bridge service is disabled")
     bridge = parse_ifconfig(ifconfig[1]).get("bridge0") if ifconfig[0] == 0 else None
     if bridge and bridge["members"] and bridge["active"]:
         members = ", ".join(bridge["members"])
-        return Check(name, "FAIL", f"bridge0 is active and bridges {members}", fix)
+        fix = f"sudo ifconfig bridge0 down, and {fix}"
+        return Check(name, "FAIL", f"bridge0 is active and bridges {members}", fix, (down,))
     return Check(name, "PASS", "no active Thunderbolt Bridge")
 
 
@@ -257,12 +283,17 @@ def _bind_failure(err: OSError) -> Status:
     return "WARN" if err.errno == errno.EADDRINUSE else "FAIL"
 
 
-def check_ports(port: int, ring_ports: tuple[int, int], bind: Bind) -> list[Check]:
+def check_ports(
+    port: int, ring_ports: tuple[int, int], bind: Bind, agent_here: bool = False
+) -> list[Check]:
+    """`agent_here`: this machine's agent answered (so it holds the agent and probe ports)."""
     checks = []
     for label, p in (("agent port", port), ("probe port", port + 1)):
         err = bind(p)
         if err is None:
             checks.append(Check(label, "PASS", f"{p} can be bound"))
+        elif agent_here and err.errno == errno.EADDRINUSE:
+            checks.append(Check(label, "PASS", f"{p} is held by this machine's agent"))
         else:
             fix = (
                 f"if `thunderpool node` runs here it holds {p}; otherwise stop what holds it "
@@ -335,31 +366,49 @@ def run_checks(
     peers: Sequence[str] = (),
     peer_infos: Sequence[NodeInfo] = (),
     *,
+    local: NodeInfo | None = None,
+    shard_bytes: int | None = None,
+    agent_here: bool = False,
     port: int = AGENT_PORT,
     ring_ports: tuple[int, int] = RING_PORTS,
     bind: Bind = try_bind,
     connect: Connect = try_connect,
     mlx: MlxProbe = probe_mlx,
     blas: BlasProbe = probe_blas,
+    jaccl: JacclProbe = probe_jaccl,
+    working_set: WorkingSetProbe = probe_working_set,
 ) -> list[Check]:
-    """Every check for a node on `platform_name` (platform.system(): "Darwin", "Linux")."""
+    """Every check for a node on `platform_name` (platform.system(): "Darwin", "Linux").
+    `local`: this node's NodeInfo (on macOS read through `run` when not given); `peer_infos`:
+    the other nodes', as their agents report them; `shard_bytes`: the shard this node holds;
+    `agent_here`: this machine's agent answered (it holds the agent port)."""
     macos = platform_name == "Darwin"
     checks: list[Check] = []
     if macos:
         version = parse_macos_version(run(("sw_vers", "-productVersion"))[1])
         rdma = check_rdma(version, *run(("rdma_ctl", "status")))
+        local = local or node_info(port, "this-node", measure=False, run=run, system="Darwin")
         checks += [
             check_macos(version),
             rdma,
             check_thunderbolt(*run(("system_profiler", "SPThunderboltDataType"))),
             check_bridge(run(("networksetup", "-listallnetworkservices")), run(("ifconfig",))),
             check_ibv(version, rdma, *run(("ibv_devices",))),
+            *check_cable_ends(local, peer_infos),
         ]
     else:
         names = ("macOS version", "RDMA enabled", "Thunderbolt 5", "Thunderbolt Bridge")
         checks += [Check(n, "SKIP", "not macOS") for n in (*names, "RDMA devices")]
     mlx_info = mlx()
     checks += check_mlx(mlx_info, macos)
+    if macos and local is not None:
+        wired = run(("sysctl", "-n", "iogpu.wired_limit_mb"))
+        checks += [
+            check_jaccl(jaccl() if mlx_info[0] else False, mlx_info[0]),
+            check_wired_limit(*wired, local.memory_total_bytes, shard_bytes, working_set()),
+        ]
+    else:
+        checks += [Check(n, "SKIP", "not macOS") for n in ("jaccl backend", "GPU wired limit")]
     if platform_name == "Linux":
         code, _ = run(("ip", "-V"))
         checks.append(
@@ -370,89 +419,17 @@ def run_checks(
             )
         )
         checks.append(check_blas(blas(), blas_choice()))
-    checks += check_ports(port, ring_ports, bind)
+    checks += check_ports(port, ring_ports, bind, agent_here)
     if macos:
         checks.append(check_firewall(*run((FIREWALL, "--getglobalstate"))))
     else:
         checks.append(Check("firewall", "SKIP", "not macOS"))
     checks += check_peers(peers, connect)
     checks.append(check_versions(mlx_info[0], peer_infos))
+    nodes = cluster_nodes(local, peer_infos) if local is not None else list(peer_infos)
+    if macos and local is not None:
+        checks += [check_mesh(nodes), check_cable_plan(local, peer_infos)]
+    else:
+        checks += [Check(n, "SKIP", "not macOS") for n in ("RDMA mesh", "cable addresses")]
+    checks.append(check_host_ids(nodes))
     return checks
-
-
-# ---- command line ---------------------------------------------------------------------------
-
-
-def _peer_arg(text: str) -> str:
-    try:
-        parse_peer(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
-def _range_arg(text: str) -> tuple[int, int]:
-    first, _, last = text.partition("-")
-    if first.isdigit() and (last or first).isdigit() and 0 < int(first) <= int(last or first):
-        if int(last or first) < 65536:
-            return int(first), int(last or first)
-    raise argparse.ArgumentTypeError(f"'{text}' is not a port range like 29500-29531")
-
-
-def add_doctor_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "doctor", help="check this node for a working cluster and print a fix for each problem"
-    )
-    p.add_argument(
-        "--peers",
-        nargs="*",
-        default=[],
-        type=_peer_arg,
-        metavar="HOST:PORT",
-        help="other nodes' agents to try a TCP connection to",
-    )
-    p.add_argument(
-        "--port", type=int, default=AGENT_PORT, help=f"agent port to check (default {AGENT_PORT})"
-    )
-    p.add_argument(
-        "--ring-ports",
-        type=_range_arg,
-        default=RING_PORTS,
-        metavar="FIRST-LAST",
-        help=f"MLX ring ports to check (default {RING_PORTS[0]}-{RING_PORTS[1]})",
-    )
-
-
-STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red", "SKIP": "dim"}
-
-
-def print_checks(checks: Sequence[Check]) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title="thunderpool doctor", show_lines=False)
-    for column in ("check", "result", "detail", "fix"):
-        table.add_column(column, overflow="fold")
-    for c in checks:
-        table.add_row(
-            escape(c.name), f"[{STYLE[c.status]}]{c.status}[/]", escape(c.detail), escape(c.fix)
-        )
-    console = Console()
-    console.print(table)
-    counts = {s: sum(c.status == s for c in checks) for s in STYLE}
-    console.print(", ".join(f"{n} {s.lower()}" for s, n in counts.items()))
-
-
-def doctor_main(args: argparse.Namespace, peer_infos: Sequence[NodeInfo] = ()) -> int:
-    """Print the checks; exit 0 when none failed, else 1."""
-    checks = run_checks(
-        platform.system(),
-        subprocess_runner,
-        peers=args.peers,
-        peer_infos=peer_infos,
-        port=args.port,
-        ring_ports=args.ring_ports,
-    )
-    print_checks(checks)
-    return 1 if any(c.status == "FAIL" for c in checks) else 0

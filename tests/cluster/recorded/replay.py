@@ -26,6 +26,7 @@ FILES = {
     ("ioreg", "-rd1", "-c", "IOPlatformExpertDevice"): "ioreg_platform.txt",
     ("sysctl", "-n", "kern.uuid"): "sysctl_kern_uuid.txt",
     ("ipconfig", "getifaddr", "en0"): "ipconfig_getifaddr_en0.txt",
+    ("sysctl", "-n", "iogpu.wired_limit_mb"): "sysctl_iogpu_wired_limit_mb.txt",
 }
 
 
