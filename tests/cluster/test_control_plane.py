@@ -73,6 +73,36 @@ def test_membership_and_links_follow_the_messages():
     assert apply(gone, link("a", "b", 0.001)).links == {}
 
 
+def test_a_stale_copy_never_overwrites_a_newer_self_report():
+    """A node re-reports its addresses with a newer revision (doctor --fix addressed a
+    cable); a peer relaying the copy it kept from before changes nothing."""
+    old = node("b", "10.0.0.2").model_copy(update={"revision": 5})
+    new = node("b", "10.0.0.9").model_copy(update={"revision": 7})
+    s = apply(ClusterState(), Hello(node=old, contact="10.0.0.2:7070"))
+    s = apply(s, Hello(node=new))
+    assert s.nodes["b"].interfaces[0].address == "10.0.0.9"
+    assert apply(s, Hello(node=old)).nodes["b"] == new
+
+
+def test_an_agent_takes_new_network_facts_and_tells_its_peers(monkeypatch):
+    told = []
+    monkeypatch.setattr(
+        "thunderpool.cluster.agent.AgentClient",
+        lambda contact, token: type("C", (), {"call": lambda s, *a, **k: told.append(contact)})(),
+    )
+    me = Agent(
+        Identity("a", "secret", False), node("a", "10.0.0.1"), "10.0.0.1:7070", 7071, RankManager()
+    )
+    me.accept(Hello(node=node("b", "10.0.0.2"), contact="10.0.0.2:7070"))
+    before = me.info.revision
+    assert not me.refresh(node("a", "10.0.0.1")) and told == []
+    assert me.refresh(
+        node("a", "10.0.0.1").model_copy(update={"interfaces": node("a", "10.0.5.1").interfaces})
+    )
+    assert me.info.revision > before and me.state.nodes["a"].interfaces[0].address == "10.0.5.1"
+    assert told == ["10.0.0.2:7070"]
+
+
 def test_signatures_verify_and_refuse():
     body = b'{"x": 1}'
     headers = sign("secret", "POST", "/v1/hello", body, ts=1000.0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import socket
 import sys
 import threading
@@ -117,6 +118,9 @@ def main() -> None:
 
     capabilities.node_info = node_info
     ranks._spawn = spawn
+    from thunderpool.cluster import node
+
+    node.REFRESH_S = float(os.environ.get("MAC_NODE_REFRESH_S", node.REFRESH_S))
     import thunderpool
 
     thunderpool.hide_torch()

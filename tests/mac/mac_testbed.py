@@ -31,7 +31,7 @@ class MacTestbed(Testbed):
 
     __test__ = False
 
-    def __init__(self, scene: Scene, home: Path):
+    def __init__(self, scene: Scene, home: Path, addressed: bool = True):
         super().__init__(scene.n, prefix="tm-", subnet=LAN)
         ends = {}
         for k, (a, p, b, q) in enumerate(scene.wires):
@@ -41,7 +41,10 @@ class MacTestbed(Testbed):
             scene.n, scene.wires, [(f"{LAN}.{m + 1}", 24) for m in range(scene.n)], ends
         )
         self.home = home
-        self.recorded = write(self.scene, home / "recorded")
+        # Unaddressed: the Macs report their cables without IPv4 addresses (as before
+        # `doctor --fix`), though the namespaces' links have them.
+        unaddressed = Scene(scene.n, scene.wires, self.scene.lan, {})
+        self.recorded = write(self.scene if addressed else unaddressed, home / "recorded")
         self.table = home / "addresses.json"
         table: dict[int, dict[str, str]] = {m: {} for m in range(scene.n)}
         for (m, name), (ip, _) in ends.items():
@@ -61,12 +64,17 @@ class MacTestbed(Testbed):
                 _ip("-n", ns, "link", "set", dev, "up")
         return self
 
+    def address_cables(self) -> None:
+        """What `doctor --fix` does to each Mac: from now on its tools print the addresses."""
+        write(self.scene, self.home / "recorded")
+
     def node_cmd(self, mac: int, *extra: str) -> list[str]:
         """`thunderpool node` on Mac `mac` (host mac+1), as that Mac."""
         i = mac + 1
         return [
             "env",
             f"THUNDERPOOL_HOME={self.home}/home{i}",
+            "MAC_NODE_REFRESH_S=1",
             sys.executable,
             str(MAC_NODE),
             str(self.recorded[mac]),

@@ -424,7 +424,7 @@ def test_fix_on_every_mac_agrees_with_itself_and_with_mlx(n, tmp_path, monkeypat
         plans = {(view[i].name, e[0]): e[1] for i in range(n) for e in planned_ends(view, i)}
         assert plans == {(f"studio-{m}", iface): ip for (m, iface), ip in addresses.items()}
 
-    # Once every Mac is set up (and its agent restarted), doctor passes and --fix runs nothing.
+    # Once every Mac is set up (and its agent has re-read it), doctor passes and --fix runs nothing.
     dirs = [tmp_path / "after" / f"mac{m}" for m in range(n)]
     nodes = done
     for mac in range(n):
@@ -524,7 +524,7 @@ def test_a_mac_already_set_up_waits_for_the_others(tmp_path):
     assert cabling.status == "FAIL"
     assert cabling.fix.startswith(
         "this Mac's ends are set; run `thunderpool doctor --fix` on the other Macs; peers' "
-        "addresses are as their agents reported when they started"
+        "addresses are as their agents last read them"
     )
     assert checks["cable en2"].detail == "studio-1's en2 has no IPv4 address"
     assert (ran, code) == ([], 1)

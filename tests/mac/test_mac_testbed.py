@@ -20,6 +20,7 @@ from testbed import available, wait_until
 
 from thunderpool.cluster.client import AgentError
 from thunderpool.cluster.coordinator import ClusterInstance, Coordinator
+from thunderpool.cluster.jaccl import jaccl_config
 from thunderpool.engine.job import RankJob, TraceTask
 
 pytestmark = [
@@ -44,8 +45,8 @@ def macs(tmp_path):
     coordinator; torn down after the test."""
     beds = []
 
-    def start(n: int) -> tuple[MacTestbed, Coordinator]:
-        bed = MacTestbed(SCENES[f"mesh{n}"], tmp_path).__enter__()
+    def start(n: int, addressed: bool = True) -> tuple[MacTestbed, Coordinator]:
+        bed = MacTestbed(SCENES[f"mesh{n}"], tmp_path, addressed).__enter__()
         beds.append(bed)
         first = bed.host(1).ip
         bed.popen(1, bed.node_cmd(0, "--token", TOKEN), stderr=subprocess.DEVNULL)
@@ -130,3 +131,19 @@ def test_generate_cluster_on_four_macs_plans_tp_and_answers_like_one_process(mac
     assert pooled.returncode == 0, pooled.stderr
     assert pooled.stdout == alone.stdout and alone.stdout.strip()
     check_ranks(bed, 4)
+
+
+def test_cables_addressed_after_the_agents_started_reach_the_planner(macs):
+    """Agents that started before the cables had addresses (jaccl impossible: ring over the
+    LAN) pick them up once `doctor --fix` sets them, without a restart, peers included."""
+    bed, coord = macs(3, addressed=False)
+    state = coord.discover()
+    by_ip = {state.contacts[x].split(":")[0]: x for x in state.nodes}
+    order = [by_ip[bed.host(i).ip] for i in (1, 2, 3)]
+    assert jaccl_config(state, order, 32000) is None
+    bed.address_cables()
+    assert wait_until(lambda: jaccl_config(coord.discover(), order, 32000) is not None, 30, 0.5)
+    # Every agent, not only each Mac's own, now holds every Mac's addressed cables.
+    for i in (1, 2, 3):
+        view = Coordinator([f"{bed.host(i).ip}:{PORT}"], TOKEN)
+        assert wait_until(lambda v=view: jaccl_config(v.discover(), order, 1) is not None, 10, 0.5)

@@ -50,6 +50,9 @@ class Agent:
     ):
         from thunderpool.models.source import default_cache_dir
 
+        # The revision is a clock reading, so a restarted agent's report outranks the copies
+        # its peers kept from before.
+        info = info.model_copy(update={"revision": max(info.revision, time.time_ns())})
         self.identity, self.info, self.contact = identity, info, contact
         self.probe_port = probe_port
         self.ranks = ranks
@@ -74,6 +77,28 @@ class Agent:
             )
         with self.lock:
             self.state = apply(self.state, msg)
+
+    def refresh(self, fresh: NodeInfo) -> bool:
+        """Take this node's re-read network facts (addresses, cables, RDMA devices) when they
+        changed, and tell every known peer; measurements stay as measured at start."""
+        network = ("interfaces", "thunderbolt", "rdma_devices", "rdma", "backends")
+        if all(getattr(fresh, f) == getattr(self.info, f) for f in network):
+            return False
+        revision = max(self.info.revision + 1, time.time_ns())
+        update = {f: getattr(fresh, f) for f in network} | {"revision": revision}
+        with self.lock:
+            self.info = self.info.model_copy(update=update)
+            self.state = apply(self.state, self.hello())
+            peers = [c for n, c in self.state.contacts.items() if n != self.identity.node_id]
+        log.info(
+            "network changed (%d addresses); telling %d peers", len(fresh.interfaces), len(peers)
+        )
+        for contact in peers:
+            try:
+                AgentClient(contact, self.identity.token).call("POST", "/v1/hello", self.hello())
+            except AgentError as e:
+                log.warning("could not tell %s of the new addresses: %s", contact, e)
+        return True
 
     def join(self, seed: str) -> list[str]:
         """Say hello to `seed`, then to every peer it knows; returns the peers greeted."""

@@ -192,8 +192,8 @@ def run_doctor(
         return checks, code
     if any(cmd[1] == "ifconfig" and cmd[2] != "bridge0" for cmd in fix_commands(checks)):
         say(
-            "cable addresses changed: run `thunderpool doctor --fix` on every other Mac too, "
-            "then restart `thunderpool node` on each so the cluster sees the new addresses"
+            "cable addresses changed: run `thunderpool doctor --fix` on every other Mac too; "
+            "the agents pick up the new addresses within 15 s, no restart needed"
         )
     return checks, 1 if left_to_a_person(checks) else 0
 

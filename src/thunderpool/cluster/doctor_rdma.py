@@ -29,8 +29,8 @@ OS_RESERVE_BYTES = 8 * GB  # what the planner's presets keep for macOS (os_reser
 NETMASK = "255.255.255.252"  # the per-cable /30 MLX assigns (thunderbolt.CABLE_PREFIX)
 FIX_HERE = "`thunderpool doctor --fix`"
 STALE = (
-    "peers' addresses are as their agents reported when they started: restart "
-    "`thunderpool node` on a Mac whose addresses changed since"
+    "peers' addresses are as their agents last read them (every 15 s): wait a moment after "
+    "a change, then run `thunderpool doctor` again"
 )
 
 

@@ -71,6 +71,9 @@ class NodeInfo(Wire):
     interfaces: tuple[Interface, ...] = ()
     rdma_devices: tuple[str, ...] = ()  # what `ibv_devices` lists, up or not
     thunderbolt: tuple[ThunderboltPort, ...] = ()  # a Mac's ports and what they are cabled to
+    # The agent's clock (ns) at start and whenever its network facts change (a cable plugged,
+    # `doctor --fix` addressing it): a peer's older copy never overwrites a newer self-report.
+    revision: int = 0
 
 
 class Hello(Wire):

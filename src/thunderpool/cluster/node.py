@@ -6,6 +6,8 @@ import argparse
 import logging
 import signal
 import sys
+import threading
+import time
 
 from rich.console import Console
 
@@ -14,6 +16,8 @@ from thunderpool.cluster.agent import Agent, create_agent_app, join_all
 from thunderpool.cluster.auth import load_identity
 from thunderpool.cluster.probe import ProbeServer
 from thunderpool.cluster.ranks import RankManager
+
+log = logging.getLogger("thunderpool.node")
 
 DEFAULT_PORT = 7070
 
@@ -66,6 +70,23 @@ def host_override(args: argparse.Namespace) -> str | None:
     return (args.host_id or "").strip() or host_id_from_env()
 
 
+REFRESH_S = 15.0  # how often a node re-reads its addresses and cables (no measurement)
+
+
+def _refresh_network(agent, args: argparse.Namespace, node_info) -> None:
+    """Re-read this node's network facts now and then, so a cable plugged or addressed
+    (`doctor --fix`) after the agent started reaches the planner without a restart."""
+    while True:
+        time.sleep(REFRESH_S)
+        try:
+            fresh = node_info(
+                args.port, agent.identity.node_id, measure=False, host=host_override(args)
+            )
+            agent.refresh(fresh)
+        except Exception as e:  # noqa: BLE001 - a failed re-read keeps the last facts
+            log.warning("could not re-read this node's network: %s", e)
+
+
 def node_main(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -100,8 +121,6 @@ def node_main(args: argparse.Namespace) -> int:
     # Stopping the node stops every rank it started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        import threading
-
         thread = threading.Thread(target=server.run, name="agent", daemon=True)
         thread.start()
         while not server.started:
@@ -110,6 +129,9 @@ def node_main(args: argparse.Namespace) -> int:
                 return 2
             thread.join(0.05)
         join_all(agent, args.join, say=err.print)
+        threading.Thread(
+            target=_refresh_network, args=(agent, args, node_info), name="refresh", daemon=True
+        ).start()
         if not args.no_mdns:
             from thunderpool.cluster.discovery import Discovery
 

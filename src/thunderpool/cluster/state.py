@@ -44,6 +44,8 @@ def apply(state: ClusterState, msg: Message) -> ClusterState:
 def _hello(state: ClusterState, msg: Hello) -> ClusterState:
     node = msg.node
     known = state.nodes.get(node.node_id)
+    if known is not None and node.revision < known.revision:
+        node = known  # a peer's stale copy of what that node has since re-reported
     contact = msg.contact or state.contacts.get(node.node_id, "")
     update = {
         "nodes": {**state.nodes, node.node_id: node},

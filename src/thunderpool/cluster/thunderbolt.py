@@ -131,9 +131,9 @@ class RdmaPlan:
 
 
 def _cabled_ends(nodes: Sequence[NodeInfo], i: int, j: int, found: list[Cable]) -> list[str]:
-    """Node i's RDMA-capable interfaces towards node j: its cable ends where both nodes report
-    their Thunderbolt ports, else (an agent that could not read them) its RDMA interfaces whose
-    network holds one of j's RDMA addresses."""
+    """Node i's RDMA-capable, addressed interfaces towards node j: its cable ends where both
+    nodes report their Thunderbolt ports, else (an agent that could not read them) its RDMA
+    interfaces whose network holds one of j's RDMA addresses."""
     if nodes[i].thunderbolt and nodes[j].thunderbolt:
         mine = ends(found, i, j)
     else:
@@ -143,7 +143,10 @@ def _cabled_ends(nodes: Sequence[NodeInfo], i: int, j: int, found: list[Cable]) 
             via = route(nodes[i].interfaces, address)
             if via is not None and via.rdma_device and via.name not in mine:
                 mine.append(via.name)
-    return [name for name in mine if f"rdma_{name}" in nodes[i].rdma_devices]
+    # jaccl pairs the two ends by their addresses (as mlx.distributed_config sets them up):
+    # an end without an IPv4 address is not usable yet (`doctor --fix` gives it one).
+    addressed = {x.name for x in nodes[i].interfaces if "." in x.address}
+    return [n for n in mine if f"rdma_{n}" in nodes[i].rdma_devices and n in addressed]
 
 
 def rdma_plan(nodes: Sequence[NodeInfo]) -> RdmaPlan | str:
