@@ -200,7 +200,7 @@ def frame(op: str, length: int, payload: bytes) -> bytes:
 )
 def test_probe_port(probe, caplog, data, expected):
     def still_serves():
-        rtt, bandwidth = measure("127.0.0.1", probe, rounds=2, blob_bytes=1 << 16)
+        rtt, bandwidth, _ = measure("127.0.0.1", probe, rounds=2, blob_bytes=1 << 16)
         assert rtt > 0 and bandwidth > 0
 
     assert exchange(probe, data) == b""
