@@ -15,6 +15,7 @@ if __name__ == "__main__":  # a rank process, not the launcher importing EVENT_P
     thunderpool.hide_torch()
 
 import json
+import os
 import traceback
 from pathlib import Path
 
@@ -104,4 +105,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code:
+        # A failed rank leaves at once: a normal exit runs MPI_Finalize, which under mpirun waits
+        # for peers that wait in a collective for us, so the run hung until its silence timeout.
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

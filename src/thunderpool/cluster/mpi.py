@@ -16,6 +16,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -166,6 +167,24 @@ def tail_lines(path: Path, done, put) -> None:
             time.sleep(_POLL_S)
 
 
+# Open MPI 4's words for the rank that ended a job: killed by a signal, or the first to exit
+# non-zero ("Process name: [[jobid,vpid],RANK]" then "Exit code: N" on the next lines).
+_SIGNALED = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
+_PROCESS = re.compile(r"Process name:\s*\[\[\d+,\d+\],(\d+)\]")
+_EXIT_CODE = re.compile(r"Exit code:\s*(-?\d+)")
+
+
+def mpirun_verdict(lines) -> tuple[int, str, int] | None:
+    """(rank, "signal" | "code", number) from mpirun's own report of the rank that ended the
+    job, or None when it named none."""
+    text = "\n".join(lines)
+    if m := _SIGNALED.search(text):
+        return int(m[1]), "signal", int(m[2])
+    if (m := _PROCESS.search(text)) and (c := _EXIT_CODE.search(text, m.end())):
+        return int(m[1]), "code", int(c[1])
+    return None
+
+
 def session_pids(sid: int) -> list[int]:
     """Every live (not zombie) process of session `sid` (Linux /proc): mpirun and its ranks."""
     pids = []
@@ -263,17 +282,29 @@ class MpiInstance(Launcher):
         raise LaunchError(self._describe_failure(code))
 
     def _describe_failure(self, code: int) -> str:
+        """The failed rank's own words: a rank mpirun saw killed by a signal is the cause (its
+        peers then fail on the broken link), else a rank's `error:` line, else the traceback's
+        last line of the rank mpirun names as the first to exit non-zero."""
         n = self.job.world_size
-        for rank in range(n):
+        said = mpirun_verdict(self.stderr_tail[n])
+        if said is not None and said[1] == "signal":
+            return f"rank {said[0]} was killed by signal {said[2]}; stopped all {n} ranks"
+        first = said[0] if said is not None and said[0] < n else None
+        order = [first] if first is not None else []
+        order += [r for r in range(n) if r != first]
+        for rank in order:
             errors = [ln for ln in self.stderr_tail[rank] if ln.startswith("error:")]
             if errors:
                 cause = errors[-1].removeprefix("error: ")
                 return f"rank {rank} failed: {cause}; stopped all {n} ranks"
-        for rank in range(n + 1):
+        for rank in order:
             tail = [ln for ln in self.stderr_tail[rank] if ln.strip()]
             if tail:
-                who = "mpirun" if rank == n else f"rank {rank}"
-                return f"{who} exited with code {code}: {tail[-1]}; stopped all {n} ranks"
+                how = f"exited with code {said[2]}" if rank == first else "failed"
+                return f"rank {rank} {how}: {tail[-1]}; stopped all {n} ranks"
+        tail = [ln for ln in self.stderr_tail[n] if ln.strip(" -")]
+        if tail:
+            return f"mpirun exited with code {code}: {tail[-1]}; stopped all {n} ranks"
         return f"mpirun exited with code {code} (no output); stopped all {n} ranks"
 
     def kill(self, grace: float = 2.0) -> None:
