@@ -60,6 +60,10 @@ class NodeInfo(Wire):
     backends: tuple[str, ...] = ("ring",)  # MLX distributed backends usable here
     rdma: bool = False
     interfaces: tuple[Interface, ...] = ()
+    # A Mac: what Metal will wire (cluster/metal.py), which bounds memory_available_bytes, and
+    # how (`plan` shows it); 0 and "" elsewhere.
+    gpu_wired_limit_bytes: int = 0
+    memory_budget: str = ""
 
 
 class Hello(Wire):

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
+from thunderpool.cluster import lifeline
 from thunderpool.cluster.blas import fast_blas_env
 from thunderpool.cluster.launch import (
     Launcher,
@@ -39,15 +40,20 @@ from thunderpool.cluster.launch import (
 from thunderpool.engine.job import RankJob
 from thunderpool.errors import LaunchError
 
-# Run by mpirun for each rank: die with mpirun (it would leave ranks spinning in a collective
-# if it were SIGKILLed), write output to files named by the rank, then become the worker.
+# Run by mpirun for each rank: hold the launcher's lifeline (a FIFO: mpirun passes no other
+# files on), on Linux also die with mpirun (it would leave ranks spinning in a collective if it
+# were SIGKILLed), write output to files named by the rank, then become the worker.
 _RANK_BOOT = """
-import ctypes, os, signal, sys
+import os, sys
+from thunderpool.cluster import lifeline
+job, out, fifo, pdeathsig = sys.argv[1:5]
+rank = os.environ["OMPI_COMM_WORLD_RANK"]
 mpirun = os.getppid()
-ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG, kept across exec
-if os.getppid() != mpirun:
-    sys.exit(1)  # mpirun died before the line above
-job, out, rank = sys.argv[1], sys.argv[2], os.environ["OMPI_COMM_WORLD_RANK"]
+if pdeathsig == "1":
+    lifeline.die_with_parent()  # kept across exec
+if os.getppid() != mpirun or (fd := lifeline.open_fifo(fifo)) is None:
+    sys.exit(1)  # mpirun or the launcher died before the lines above
+os.environ[lifeline.LIFELINE_ENV] = str(fd)
 for fd, name in ((1, "out"), (2, "err")):
     os.dup2(os.open(f"{out}/{name}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
 os.execv(sys.executable, [sys.executable, "-m", "thunderpool.rank", job])
@@ -113,6 +119,13 @@ def local_instance(job: RankJob, **kwargs) -> LocalInstance | MpiInstance:
     return LocalInstance(job, **kwargs)
 
 
+def install_mpi(platform: str | None = None) -> str:
+    """The command that installs Open MPI on `platform` (sys.platform's names; None: here)."""
+    if (platform or sys.platform) == "darwin":
+        return "brew install open-mpi"
+    return "sudo apt install openmpi-bin"
+
+
 @functools.cache
 def find_mpi() -> tuple[str, str]:
     """(mpirun path, libmpi file name), or a LaunchError saying what to install."""
@@ -122,7 +135,7 @@ def find_mpi() -> tuple[str, str]:
     lib = ctypes.util.find_library("mpi")
     if mpirun is None or lib is None:
         raise LaunchError(
-            "--backend mpi needs Open MPI's mpirun and libmpi (`apt install openmpi-bin`); "
+            f"--backend mpi needs Open MPI's mpirun and libmpi (`{install_mpi()}`); "
             "or use --backend ring"
         )
     out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30)
@@ -134,9 +147,11 @@ def find_mpi() -> tuple[str, str]:
     return mpirun, lib
 
 
-def rank_argv(job_file: Path, out_dir: Path) -> list[str]:
-    """What mpirun runs for every rank: the worker with its output in out_dir/{out,err}.RANK."""
-    return [sys.executable, "-c", _RANK_BOOT, str(job_file), str(out_dir)]
+def rank_argv(job_file: Path, out_dir: Path, fifo: Path) -> list[str]:
+    """What mpirun runs for every rank: the worker with its output in out_dir/{out,err}.RANK,
+    alive while the lifeline FIFO `fifo` is open for writing."""
+    flag = "1" if lifeline.PDEATHSIG else "0"
+    return [sys.executable, "-c", _RANK_BOOT, str(job_file), str(out_dir), str(fifo), flag]
 
 
 def tail_lines(path: Path, done, put) -> None:
@@ -225,7 +240,7 @@ class MpiInstance(Launcher):
             **one_core_env(0 if self.pin else None),
             **self.env,
         }
-        argv = rank_argv(job_file, tmp)
+        argv = rank_argv(job_file, tmp, self.lifeline.fifo(tmp / "lifeline"))
         root = hasattr(os, "geteuid") and os.geteuid() == 0
         cmd = mpi_command(mpirun, self.job.world_size, self.pin, sorted(extra), argv, root)
         self.proc = subprocess.Popen(
@@ -236,7 +251,7 @@ class MpiInstance(Launcher):
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
-            preexec_fn=lambda: child_setup(None),  # die with us (PR_SET_PDEATHSIG)
+            preexec_fn=lambda: child_setup(None),  # die with us (Linux's PR_SET_PDEATHSIG)
         )
         self.procs = [self.proc]
         for stream in (self.proc.stdout, self.proc.stderr):
@@ -323,6 +338,7 @@ class MpiInstance(Launcher):
                     break
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=grace)
+        self.lifeline.close()  # what mpirun left (macOS: no session walk) ends now
         self.tmp.cleanup()
 
     def _alive(self, sid: int) -> bool:

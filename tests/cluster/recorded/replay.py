@@ -22,6 +22,8 @@ FILES = {
     ("vm_stat",): "vm_stat.txt",
     ("ip", "-j", "addr"): "ip_j_addr.json",
     ("ip", "-V"): "ip_V.txt",
+    ("sysctl", "-n", "iogpu.wired_limit_mb"): "sysctl_iogpu_wired_limit_mb.txt",
+    ("sysctl", "-n", "hw.perflevel0.physicalcpu"): "sysctl_perflevel0_physicalcpu.txt",
 }
 
 
