@@ -74,3 +74,16 @@ def test_ranks_are_not_pinned_where_the_os_cannot_pin(monkeypatch):
     monkeypatch.delattr(os, "sched_setaffinity")
     assert LocalInstance(job, pin=None).pin is False
     assert mpi.mpi_command("mpirun", 2, False, [], ["w"], root=False)[3:5] == ["--bind-to", "none"]
+
+
+def test_homebrews_libmpi_is_found_beside_its_mpirun(tmp_path):
+    """Homebrew on Apple Silicon: /opt/homebrew/{bin/mpirun, lib/libmpi.dylib}, a lib dir
+    ctypes.util.find_library does not search."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "bin" / "mpirun").write_text("")
+    assert mpi.libmpi_beside(str(tmp_path / "bin" / "mpirun")) is None
+    (tmp_path / "lib" / "libmpi.dylib").write_text("")
+    assert mpi.libmpi_beside(str(tmp_path / "bin" / "mpirun")) == str(
+        tmp_path / "lib" / "libmpi.dylib"
+    )

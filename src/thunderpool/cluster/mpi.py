@@ -126,13 +126,23 @@ def install_mpi(platform: str | None = None) -> str:
     return "sudo apt install openmpi-bin"
 
 
+def libmpi_beside(mpirun: str) -> str | None:
+    """libmpi in the lib dir next to mpirun's bin dir: where Homebrew on Apple Silicon puts it
+    (/opt/homebrew/lib), which find_library does not search."""
+    prefix = Path(os.path.realpath(mpirun)).parent.parent
+    for name in ("libmpi.dylib", "libmpi.so.40", "libmpi.so"):
+        if (prefix / "lib" / name).exists():
+            return str(prefix / "lib" / name)
+    return None
+
+
 @functools.cache
 def find_mpi() -> tuple[str, str]:
     """(mpirun path, libmpi file name), or a LaunchError saying what to install."""
     import shutil
 
     mpirun = shutil.which("mpirun")
-    lib = ctypes.util.find_library("mpi")
+    lib = ctypes.util.find_library("mpi") or (mpirun and libmpi_beside(mpirun))
     if mpirun is None or lib is None:
         raise LaunchError(
             f"--backend mpi needs Open MPI's mpirun and libmpi (`{install_mpi()}`); "

@@ -94,7 +94,8 @@ class RankManager:
                 draft = self.resolve_model(job.draft_model)
                 job = job.model_copy(update={"draft_model": str(draft)})
         with self.lock:
-            inst = self.instances.setdefault(spec.instance_id, _Instance())
+            if (inst := self.instances.get(spec.instance_id)) is None:
+                inst = self.instances[spec.instance_id] = _Instance()  # its own pipe and dir
             inst.polled = time.monotonic()
         tmp = Path(inst.tmp.name)
         cpu = own_core(spec.cpu)
