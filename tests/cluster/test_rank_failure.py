@@ -70,6 +70,25 @@ SERVE_CASES = ["ring", pytest.param("mpi", marks=NO_MPI)]
 
 
 @pytest.mark.parametrize("backend", SERVE_CASES)
+def test_a_failed_rank_fails_bench(monkeypatch, tmp_path, tiny_chat, backend):
+    """bench reports every layout, and a layout whose rank failed fails the run."""
+    mark = failing_env(monkeypatch, tmp_path, "decode")
+    cmd = [sys.executable, "-m", "thunderpool", "bench", "--model", str(tiny_chat)]
+    cmd += ["--nodes", "2", "--modes", "tp", "--backend", backend, "--repeats", "1"]
+    cmd += ["--prompt-tokens", "16", "--max-tokens", "16", "--timeout", "120"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    took = time.time() - float(mark.read_text())
+    print(f"bench {backend}: exited {took:.2f} s after rank 1 failed")
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (
+        "error: TP2: rank 1 exited with code 1: RuntimeError: injected decode failure on rank 1;"
+        " stopped all 2 ranks"
+    ), proc.stderr
+    assert took <= LIMIT_S
+
+
+@pytest.mark.parametrize("backend", SERVE_CASES)
 def test_a_failed_rank_ends_the_serving_instance_as_a_rank_loss(
     monkeypatch, tmp_path, tiny_chat, backend
 ):
