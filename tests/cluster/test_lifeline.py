@@ -1,8 +1,8 @@
 """Ranks never outlive their parent, on every OS (issue 25 item 8): the portable lifeline
 (cluster/lifeline.py) proven with Linux's PR_SET_PDEATHSIG turned off, so that it works alone
-as it must on macOS. The parent (tests/lifeline_parent.py) is `generate`, a local launcher of
-idle serving ranks (ring, and mpirun where the ranks are its grandchildren), or an agent's
-RankManager; the test SIGKILLs it and every rank (and mpirun) must be gone within 5 s.
+as it must on macOS. The parent (tests/lifeline_parent.py) is `generate`, `serve`, a local
+launcher of idle serving ranks (ring, and mpirun where the ranks are its grandchildren), or an
+agent's RankManager; the test SIGKILLs it and every rank (and mpirun) must be gone within 5 s.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from procs import alive, workers_under
+from serving import free_port
 
 from thunderpool.cluster.lifeline import LIFELINE_ENV, Lifeline, open_fifo
 
@@ -151,4 +153,24 @@ def test_generating_ranks_die_with_a_sigkilled_generate(tiny_chat, tmp_path, bac
     assert parent.stdout.read(1), log.read_text()  # the ranks decode: text streams
     took = sigkill_and_watch(parent, expect=2)
     print(f"generate {backend}: every rank gone {took:.2f} s after the SIGKILL")
+    assert took <= GONE_S
+
+
+@pytest.mark.parametrize("backend", ["ring", pytest.param("mpi", marks=NO_MPI)])
+def test_serving_ranks_die_with_a_sigkilled_serve(tiny_chat, tmp_path, backend):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    cli = ["cli", "serve", "--model", str(tiny_chat), "--nodes", "2", "--backend", backend]
+    parent = start_parent(log, *cli, "--port", str(port), ready=False)
+
+    def ready() -> bool:
+        assert parent.poll() is None, log.read_text()
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    assert wait_until(ready, 120), log.read_text()
+    took = sigkill_and_watch(parent, expect=2)
+    print(f"serve {backend}: every rank gone {took:.2f} s after the SIGKILL")
     assert took <= GONE_S
