@@ -20,7 +20,7 @@ import pytest
 from procs import alive, workers_under
 from serving import free_port
 
-from thunderpool.cluster.lifeline import LIFELINE_ENV, Lifeline, open_fifo
+from thunderpool.cluster.lifeline import LIFELINE_ENV, Lifeline, hold, open_fifo
 
 PARENT = Path(__file__).parent.parent / "lifeline_parent.py"
 NO_MPI = pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (openmpi-bin)")
@@ -174,3 +174,10 @@ def test_serving_ranks_die_with_a_sigkilled_serve(tiny_chat, tmp_path, backend):
     took = sigkill_and_watch(parent, expect=2)
     print(f"serve {backend}: every rank gone {took:.2f} s after the SIGKILL")
     assert took <= GONE_S
+
+
+def test_a_stray_lifeline_variable_does_not_kill_a_rank(capsys):
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.close(fd)  # a number that names no open file now
+    hold(fd)
+    assert f"THUNDERPOOL_LIFELINE_FD={fd} is not an open file" in capsys.readouterr().err

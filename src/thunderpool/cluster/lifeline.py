@@ -86,7 +86,11 @@ def hold(fd: int | None) -> None:
     rank was started by hand, so nothing to watch)."""
     if fd is None:
         return
-    os.set_inheritable(fd, False)  # the rank's own children do not keep it alive
+    try:
+        os.set_inheritable(fd, False)  # the rank's own children do not keep it alive
+    except OSError:  # not open: THUNDERPOOL_LIFELINE_FD came from elsewhere than a launcher
+        print(f"warning: {LIFELINE_ENV}={fd} is not an open file; unset it", file=sys.stderr)
+        return
     threading.Thread(target=_watch, args=(fd,), name="lifeline", daemon=True).start()
 
 
