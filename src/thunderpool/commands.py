@@ -274,7 +274,7 @@ def bench(args: argparse.Namespace) -> int:
     _guard_bench(model_dir, args, console)
     if getattr(args, "draft_model", None) or getattr(args, "draft_layers", None):
         return _spec_bench(model_dir, args, console, backend)
-    run_bench(
+    results = run_bench(
         model_dir,
         nodes=args.nodes,
         prompt_tokens=args.prompt_tokens,
@@ -293,6 +293,10 @@ def bench(args: argparse.Namespace) -> int:
         expert_replicas=replica_fields(args, model_dir, max(args.nodes)).get("expert_replicas"),
         groups=getattr(args, "groups", None),
     )
+    # The report shows every layout; a layout that failed (a rank's error) fails the run.
+    failed = [f"{k.upper()}: {r['error']}" for k, r in results["parallel"].items() if "error" in r]
+    if failed:
+        raise ThunderpoolError("; ".join(failed))
     return 0
 
 

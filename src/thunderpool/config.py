@@ -58,3 +58,10 @@ def decode_ways() -> int | None:
             "unset it or set it to auto (one per core) or e.g. 1 (no split)"
         )
     return int(value)
+
+
+def lifeline_fd() -> int | None:
+    """THUNDERPOOL_LIFELINE_FD: in a rank, the file its launcher's lifeline arrives on
+    (cluster/lifeline.py); None for a rank started by hand."""
+    value = os.environ.get("THUNDERPOOL_LIFELINE_FD", "")
+    return int(value) if value.isdigit() else None

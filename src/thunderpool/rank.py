@@ -15,11 +15,14 @@ if __name__ == "__main__":  # a rank process, not the launcher importing EVENT_P
     thunderpool.hide_torch()
 
 import json
+import os
 import traceback
 from pathlib import Path
 
 import mlx.core as mx
 
+from thunderpool.cluster.lifeline import hold
+from thunderpool.config import lifeline_fd
 from thunderpool.engine.job import BenchTask, RankJob, ServeTask
 from thunderpool.engine.loader import Layout
 from thunderpool.errors import ThunderpoolError
@@ -45,6 +48,9 @@ def runtime(job: RankJob) -> dict:
 
 
 def run(job: RankJob) -> None:
+    from thunderpool.cluster.metal import raise_wired_limit
+
+    raise_wired_limit()  # on Metal: keep the shard wired, as mlx-lm does (no-op elsewhere)
     world = job.mlx_world()
     if world > 1:
         group = mx.distributed.init(backend=job.backend, strict=True)
@@ -89,6 +95,7 @@ def run(job: RankJob) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    hold(lifeline_fd())  # die with the launcher, on every OS
     try:
         job = RankJob.model_validate_json(Path(argv[0]).read_text())
         run(job)
@@ -104,4 +111,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code:
+        # A failed rank leaves at once: a normal exit runs MPI_Finalize, which under mpirun waits
+        # for peers that wait in a collective for us, so the run hung until its silence timeout.
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -66,6 +66,24 @@ def test_one_rank_compiled_equals_eager(kind, family_dirs):
     check(compare(runner, reference), kind in PROVEN)
 
 
+def test_compile_is_on_by_default_on_a_cpu_and_off_on_a_gpu(family_dirs, monkeypatch):
+    """No GPU run has proven the compiled step equal to eager yet (scripts/gpu_check.py): on a
+    GPU it runs only when asked for (--compile); --no-compile turns it off everywhere."""
+    from thunderpool.cli import build_parser
+
+    flags = [build_parser().parse_args(["generate", *f, "--prompt", "x"]).compile for f in
+             ([], ["--compile"], ["--no-compile"])]  # fmt: skip
+    assert flags == [None, True, False]
+    assert [compiled.wanted(f) for f in flags] == [True, True, False]  # this CPU
+    group = mx.distributed.init()
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert [compiled.wanted(f) for f in flags] == [False, True, False]
+    runner, _, _ = load_shard(family_dirs["llama"], group, Layout())
+    assert runner.compiled is None
+    runner, _, _ = load_shard(family_dirs["llama"], group, Layout(compile=True))
+    assert runner.compiled is not None
+
+
 def test_a_step_in_another_thread_than_the_load_equals_eager(family_dirs):
     """serve and the API's local engine step in a thread of their own: nothing the compiled
     step built at load may be left lazy on the loading thread's stream."""

@@ -211,7 +211,7 @@ def step_breakdown(
 
 
 def bench_single(
-    model_dir: Path, prompt_tokens: int, max_tokens: int, repeats: int, compile: bool = True
+    model_dir: Path, prompt_tokens: int, max_tokens: int, repeats: int, compile: bool | None = None
 ) -> dict:
     """Our engine and mlx-lm's generate_step on the same model and prompt, alternated (ABAB)."""
     from mlx_lm.generate import generate_step

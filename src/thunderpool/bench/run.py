@@ -27,7 +27,7 @@ def bench_parallel(
     concurrency: tuple[int, ...] = (),
     backend: str = "ring",
     tp_weights: tuple[float, ...] | None = None,
-    compile: bool = True,
+    compile: bool | None = None,
     expert_replicas: tuple[tuple[int, int, int], ...] | None = None,
     groups: tuple[int, ...] | None = None,
 ) -> dict:
@@ -98,7 +98,7 @@ def run_bench(
     backend: str = "ring",
     timeout: float = 600.0,
     tp_weights: tuple[float, ...] | None = None,
-    compile: bool = True,
+    compile: bool | None = None,
     expert_replicas: tuple[tuple[int, int, int], ...] | None = None,
     groups: tuple[int, ...] | None = None,
 ) -> dict:

@@ -125,10 +125,20 @@ def kind_of(path: str) -> str | None:
     return next((kind for prefix, kind in KINDS if name.startswith(prefix)), None)
 
 
-def in_use(maps: str | None = None, platform: str = sys.platform) -> dict[str, str | None]:
-    """The BLAS this process multiplies with: {"blas": "BLIS" | "OpenBLAS" | "MKL" |
-    "Accelerate" | "reference", "blas_path": the library or None}. On Linux, the first
-    optimized library mapped into it (`maps`: /proc/self/maps), as a rank's preload is."""
+def in_use(
+    maps: str | None = None, platform: str = sys.platform, gpu: bool | None = None
+) -> dict[str, str | None]:
+    """What this process multiplies with: {"blas": "BLIS" | "OpenBLAS" | "MKL" | "Accelerate"
+    | "reference" | "Metal" | "CUDA", "blas_path": the library or None}. A rank on the GPU
+    (`gpu`; None: MLX's default device) multiplies with the GPU's kernels, not a BLAS. On
+    Linux's CPU, the first optimized library mapped into it (`maps`: /proc/self/maps), as a
+    rank's preload is."""
+    if gpu is None:
+        import mlx.core as mx
+
+        gpu = mx.default_device() == mx.gpu
+    if gpu:
+        return {"blas": "Metal" if platform == "darwin" else "CUDA", "blas_path": None}
     if platform == "darwin":
         return {"blas": "Accelerate", "blas_path": None}
     if maps is None:

@@ -23,8 +23,10 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from thunderpool import __version__
+from thunderpool.cluster import metal
 from thunderpool.cluster.messages import Interface, LinkKind, NodeInfo, ThunderboltPort
 from thunderpool.cluster.thunderbolt import parse_thunderbolt
+from thunderpool.cores import work_cores
 from thunderpool.planner.cost import LONG_ROW, SHORT_ROW
 
 Runner = Callable[[Sequence[str]], tuple[int, str]]
@@ -526,12 +528,14 @@ def node_info(
     system: str | None = None,
     root: Path = Path("/"),
     host: str | None = None,
+    metal_info: Callable[[], dict | None] = metal.device_info,
 ) -> NodeInfo:
     """This node's NodeInfo. `system` ("Darwin"/"Linux") and `root` (where /proc and /sys are)
     exist so tests can replay another machine's recorded outputs; `host` overrides host_id."""
     system = system or platform.system()
     rdma_devices: tuple[str, ...] = ()
     thunderbolt: tuple[ThunderboltPort, ...] = ()
+    gpu = None
     rdma_enabled = False
     macos = None
     if system == "Darwin":
@@ -540,6 +544,9 @@ def node_info(
         chip = (_output(run, "sysctl", "-n", "machdep.cpu.brand_string") or "").strip()
         total = parse_memsize(_output(run, "sysctl", "-n", "hw.memsize") or "0")
         available = parse_vm_stat(_output(run, "vm_stat") or "")
+        # The planner's budget is what Metal will wire, less a reserve (cluster/metal.py).
+        gpu = metal.budget(total, metal_info(), _output(run, *metal.WIRED_LIMIT))
+        available = min(available, gpu.bytes) if gpu else available
         rdma_enabled = parse_rdma_ctl(_output(run, "rdma_ctl", "status"))
         rdma_devices = parse_ibv_devices(_output(run, "ibv_devices"))
         ports = parse_hardware_ports(_output(run, "networksetup", "-listallhardwareports") or "")
@@ -577,7 +584,8 @@ def node_info(
         python_version=platform.python_version(),
         os=os_name,
         chip=chip or platform.processor() or platform.machine(),
-        cpu_count=len(usable_cores()),
+        # A Mac counts its performance cores: work split over efficiency cores waits on them.
+        cpu_count=work_cores("darwin", run) if system == "Darwin" else len(usable_cores()),
         memory_total_bytes=total,
         memory_available_bytes=available,
         mem_bw_Bps=mem_bw,
@@ -595,6 +603,8 @@ def node_info(
         interfaces=interfaces,
         rdma_devices=rdma_devices,
         thunderbolt=thunderbolt,
+        gpu_wired_limit_bytes=gpu.wired_limit_bytes if gpu else 0,
+        memory_budget=gpu.describe() if gpu else "",
     )
 
 

@@ -136,7 +136,8 @@ def ranked_plans(args: argparse.Namespace, state: ClusterState):
         concurrency=concurrency if isinstance(concurrency, int) else 1,
         prefix_cache_bytes=(getattr(args, "prefix_cache_gb", 0.0) or 0.0) * 2**30,
         routing={i: routing.popularity(i) for i in routing.layers} if routing else None,
-        compiled=getattr(args, "compile", True),  # priced as the ranks will run
+        # Priced as CPU ranks run it (unset: on for CPU ranks, engine/compiled.py: wanted).
+        compiled=getattr(args, "compile", True) is not False,
         draft=draft,
     )
 
@@ -174,6 +175,7 @@ def plan_main(args: argparse.Namespace) -> int:
     table = plan_table(plans[: args.top], names)
     console = Console()
     console.print(table)
+    console.print(budget_line(state), soft_wrap=True)
     console.print(verified_line(args.model, lambda: coordinator(args)), soft_wrap=True)
     # The winner is what `--cluster` would launch: verified plans only, unless allowed.
     runnable = [p for p in plans if p.verified or args.allow_untested]
@@ -182,6 +184,19 @@ def plan_main(args: argparse.Namespace) -> int:
     else:
         console.print("no verified plan fits; --allow-untested would run the first one")
     return 0
+
+
+def budget_line(state: ClusterState, gb: float = 1e9) -> str:
+    """The memory each node's plan may use, and why: a Mac's Metal wired limit less a reserve
+    (cluster/metal.py), elsewhere the memory its agent reports available."""
+    parts = []
+    for n in state.nodes.values():
+        why = n.memory_budget or (
+            f"{n.memory_available_bytes / gb:.1f} GB available of {n.memory_total_bytes / gb:.1f}"
+            " GB"
+        )
+        parts.append(f"{n.name}: {why}")
+    return "memory budget per node: " + "; ".join(parts)
 
 
 def verified_line(model: str | None, coord=None) -> str:

@@ -1,14 +1,14 @@
 """Start the rank processes of one instance on this host, watch them, and kill all on failure.
 
 Ranks talk MLX `ring` over loopback (a JSON hostfile of 127.0.0.1:port per rank). Each rank
-runs in its own session so that a kill reaches its children, and dies with the launcher
-(PR_SET_PDEATHSIG). Any rank exiting non-zero, or silence past the timeout, stops them all.
+runs in its own session so that a kill reaches its children, and dies with the launcher on
+every OS (its lifeline, cluster/lifeline.py; PR_SET_PDEATHSIG too on Linux). Any rank exiting
+non-zero, or silence past the timeout, stops them all.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import queue
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thunderpool.cluster.blas import fast_blas_env
+from thunderpool.cluster.lifeline import Lifeline, die_with_parent
 from thunderpool.engine.job import RankJob
 from thunderpool.errors import LaunchError
 from thunderpool.rank import EVENT_PREFIX
@@ -121,12 +122,11 @@ def drain(lines: queue.Queue, on_stderr: Callable[[int | None, str], None]) -> N
 
 
 def child_setup(cpu: int | None) -> None:
-    """Runs in the child before exec: die with the launcher, optionally pin to one core."""
-    if sys.platform == "linux":
-        with contextlib.suppress(OSError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if cpu is not None:
-            os.sched_setaffinity(0, {cpu})
+    """Runs in the child before exec: die with the launcher (Linux; the lifeline does it
+    everywhere), optionally pin to one core."""
+    die_with_parent()
+    if cpu is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {cpu})
 
 
 def one_core_env(cpu: int | None) -> dict[str, str]:
@@ -163,13 +163,16 @@ class Launcher:
     ):
         self.job, self.timeout = job, timeout
         n = job.world_size
-        # One rank keeps every core; several get one core each (they busy-poll in collectives).
-        self.pin = (1 < n <= len(_cpus())) if pin is None else pin
+        # One rank keeps every core; several get one core each (they busy-poll in collectives),
+        # where the OS lets us pin (not macOS: mpirun there refuses --bind-to core).
+        pinnable = hasattr(os, "sched_setaffinity")
+        self.pin = (pinnable and 1 < n <= len(_cpus())) if pin is None else pin
         self.env = dict(env or {})
         self.procs: list[subprocess.Popen] = []
         self.stderr_tail: list[deque[str]] = [deque(maxlen=20) for _ in range(tails)]
         self.lines: queue.Queue = queue.Queue()
         self.tmp = tempfile.TemporaryDirectory(prefix=prefix)
+        self.lifeline = Lifeline()  # closed by kill(), or by the kernel when we die
         self._interrupted = threading.Event()
 
     def interrupt(self) -> None:
@@ -208,7 +211,8 @@ class LocalInstance(Launcher):
             cpu = self.cpus[rank % len(self.cpus)] if self.pin else None
             proc = subprocess.Popen(
                 [sys.executable, "-m", "thunderpool.rank", str(job_file)],
-                env={**env, **world_env, **one_core_env(cpu)},
+                env={**env, **world_env, **one_core_env(cpu), **self.lifeline.env()},
+                pass_fds=self.lifeline.pass_fds,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -299,4 +303,5 @@ class LocalInstance(Launcher):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        self.lifeline.close()
         self.tmp.cleanup()

@@ -74,6 +74,10 @@ class NodeInfo(Wire):
     # The agent's clock (ns) at start and whenever its network facts change (a cable plugged,
     # `doctor --fix` addressing it): a peer's older copy never overwrites a newer self-report.
     revision: int = 0
+    # A Mac: what Metal will wire (cluster/metal.py), which bounds memory_available_bytes, and
+    # how (`plan` shows it); 0 and "" elsewhere.
+    gpu_wired_limit_bytes: int = 0
+    memory_budget: str = ""
 
 
 class Hello(Wire):

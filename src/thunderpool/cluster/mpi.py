@@ -16,6 +16,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
+from thunderpool.cluster import lifeline
 from thunderpool.cluster.blas import fast_blas_env
 from thunderpool.cluster.launch import (
     Launcher,
@@ -38,15 +40,20 @@ from thunderpool.cluster.launch import (
 from thunderpool.engine.job import RankJob
 from thunderpool.errors import LaunchError
 
-# Run by mpirun for each rank: die with mpirun (it would leave ranks spinning in a collective
-# if it were SIGKILLed), write output to files named by the rank, then become the worker.
+# Run by mpirun for each rank: hold the launcher's lifeline (a FIFO: mpirun passes no other
+# files on), on Linux also die with mpirun (it would leave ranks spinning in a collective if it
+# were SIGKILLed), write output to files named by the rank, then become the worker.
 _RANK_BOOT = """
-import ctypes, os, signal, sys
+import os, sys
+from thunderpool.cluster import lifeline
+job, out, fifo, pdeathsig = sys.argv[1:5]
+rank = os.environ["OMPI_COMM_WORLD_RANK"]
 mpirun = os.getppid()
-ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG, kept across exec
-if os.getppid() != mpirun:
-    sys.exit(1)  # mpirun died before the line above
-job, out, rank = sys.argv[1], sys.argv[2], os.environ["OMPI_COMM_WORLD_RANK"]
+if pdeathsig == "1":
+    lifeline.die_with_parent()  # kept across exec
+if os.getppid() != mpirun or (fd := lifeline.open_fifo(fifo)) is None:
+    sys.exit(1)  # mpirun or the launcher died before the lines above
+os.environ[lifeline.LIFELINE_ENV] = str(fd)
 for fd, name in ((1, "out"), (2, "err")):
     os.dup2(os.open(f"{out}/{name}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
 os.execv(sys.executable, [sys.executable, "-m", "thunderpool.rank", job])
@@ -112,16 +119,33 @@ def local_instance(job: RankJob, **kwargs) -> LocalInstance | MpiInstance:
     return LocalInstance(job, **kwargs)
 
 
+def install_mpi(platform: str | None = None) -> str:
+    """The command that installs Open MPI on `platform` (sys.platform's names; None: here)."""
+    if (platform or sys.platform) == "darwin":
+        return "brew install open-mpi"
+    return "sudo apt install openmpi-bin"
+
+
+def libmpi_beside(mpirun: str) -> str | None:
+    """libmpi in the lib dir next to mpirun's bin dir: where Homebrew on Apple Silicon puts it
+    (/opt/homebrew/lib), which find_library does not search."""
+    prefix = Path(os.path.realpath(mpirun)).parent.parent
+    for name in ("libmpi.dylib", "libmpi.so.40", "libmpi.so"):
+        if (prefix / "lib" / name).exists():
+            return str(prefix / "lib" / name)
+    return None
+
+
 @functools.cache
 def find_mpi() -> tuple[str, str]:
     """(mpirun path, libmpi file name), or a LaunchError saying what to install."""
     import shutil
 
     mpirun = shutil.which("mpirun")
-    lib = ctypes.util.find_library("mpi")
+    lib = ctypes.util.find_library("mpi") or (mpirun and libmpi_beside(mpirun))
     if mpirun is None or lib is None:
         raise LaunchError(
-            "--backend mpi needs Open MPI's mpirun and libmpi (`apt install openmpi-bin`); "
+            f"--backend mpi needs Open MPI's mpirun and libmpi (`{install_mpi()}`); "
             "or use --backend ring"
         )
     out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30)
@@ -133,9 +157,11 @@ def find_mpi() -> tuple[str, str]:
     return mpirun, lib
 
 
-def rank_argv(job_file: Path, out_dir: Path) -> list[str]:
-    """What mpirun runs for every rank: the worker with its output in out_dir/{out,err}.RANK."""
-    return [sys.executable, "-c", _RANK_BOOT, str(job_file), str(out_dir)]
+def rank_argv(job_file: Path, out_dir: Path, fifo: Path) -> list[str]:
+    """What mpirun runs for every rank: the worker with its output in out_dir/{out,err}.RANK,
+    alive while the lifeline FIFO `fifo` is open for writing."""
+    flag = "1" if lifeline.PDEATHSIG else "0"
+    return [sys.executable, "-c", _RANK_BOOT, str(job_file), str(out_dir), str(fifo), flag]
 
 
 def tail_lines(path: Path, done, put) -> None:
@@ -164,6 +190,24 @@ def tail_lines(path: Path, done, put) -> None:
                 put(None)
                 return
             time.sleep(_POLL_S)
+
+
+# Open MPI 4's words for the rank that ended a job: killed by a signal, or the first to exit
+# non-zero ("Process name: [[jobid,vpid],RANK]" then "Exit code: N" on the next lines).
+_SIGNALED = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
+_PROCESS = re.compile(r"Process name:\s*\[\[\d+,\d+\],(\d+)\]")
+_EXIT_CODE = re.compile(r"Exit code:\s*(-?\d+)")
+
+
+def mpirun_verdict(lines) -> tuple[int, str, int] | None:
+    """(rank, "signal" | "code", number) from mpirun's own report of the rank that ended the
+    job, or None when it named none."""
+    text = "\n".join(lines)
+    if m := _SIGNALED.search(text):
+        return int(m[1]), "signal", int(m[2])
+    if (m := _PROCESS.search(text)) and (c := _EXIT_CODE.search(text, m.end())):
+        return int(m[1]), "code", int(c[1])
+    return None
 
 
 def session_pids(sid: int) -> list[int]:
@@ -206,7 +250,7 @@ class MpiInstance(Launcher):
             **one_core_env(0 if self.pin else None),
             **self.env,
         }
-        argv = rank_argv(job_file, tmp)
+        argv = rank_argv(job_file, tmp, self.lifeline.fifo(tmp / "lifeline"))
         root = hasattr(os, "geteuid") and os.geteuid() == 0
         cmd = mpi_command(mpirun, self.job.world_size, self.pin, sorted(extra), argv, root)
         self.proc = subprocess.Popen(
@@ -217,7 +261,7 @@ class MpiInstance(Launcher):
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
-            preexec_fn=lambda: child_setup(None),  # die with us (PR_SET_PDEATHSIG)
+            preexec_fn=lambda: child_setup(None),  # die with us (Linux's PR_SET_PDEATHSIG)
         )
         self.procs = [self.proc]
         for stream in (self.proc.stdout, self.proc.stderr):
@@ -263,17 +307,29 @@ class MpiInstance(Launcher):
         raise LaunchError(self._describe_failure(code))
 
     def _describe_failure(self, code: int) -> str:
+        """The failed rank's own words: a rank mpirun saw killed by a signal is the cause (its
+        peers then fail on the broken link), else a rank's `error:` line, else the traceback's
+        last line of the rank mpirun names as the first to exit non-zero."""
         n = self.job.world_size
-        for rank in range(n):
+        said = mpirun_verdict(self.stderr_tail[n])
+        if said is not None and said[1] == "signal":
+            return f"rank {said[0]} was killed by signal {said[2]}; stopped all {n} ranks"
+        first = said[0] if said is not None and said[0] < n else None
+        order = [first] if first is not None else []
+        order += [r for r in range(n) if r != first]
+        for rank in order:
             errors = [ln for ln in self.stderr_tail[rank] if ln.startswith("error:")]
             if errors:
                 cause = errors[-1].removeprefix("error: ")
                 return f"rank {rank} failed: {cause}; stopped all {n} ranks"
-        for rank in range(n + 1):
+        for rank in order:
             tail = [ln for ln in self.stderr_tail[rank] if ln.strip()]
             if tail:
-                who = "mpirun" if rank == n else f"rank {rank}"
-                return f"{who} exited with code {code}: {tail[-1]}; stopped all {n} ranks"
+                how = f"exited with code {said[2]}" if rank == first else "failed"
+                return f"rank {rank} {how}: {tail[-1]}; stopped all {n} ranks"
+        tail = [ln for ln in self.stderr_tail[n] if ln.strip(" -")]
+        if tail:
+            return f"mpirun exited with code {code}: {tail[-1]}; stopped all {n} ranks"
         return f"mpirun exited with code {code} (no output); stopped all {n} ranks"
 
     def kill(self, grace: float = 2.0) -> None:
@@ -292,6 +348,7 @@ class MpiInstance(Launcher):
                     break
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=grace)
+        self.lifeline.close()  # what mpirun left (macOS: no session walk) ends now
         self.tmp.cleanup()
 
     def _alive(self, sid: int) -> bool:

@@ -1,7 +1,9 @@
 """The rank processes an agent runs for the coordinator: start, collect events, stop, reap.
 
-Ranks run in their own sessions and die with the agent (PR_SET_PDEATHSIG). Their `TPEV`
-events are buffered per instance so the coordinator can fetch them in order.
+Ranks run in their own sessions and die with the agent on every OS: each instance has its own
+lifeline (cluster/lifeline.py), closed when it stops or the agent dies; Linux's
+PR_SET_PDEATHSIG too. Their `TPEV` events are buffered per instance so the coordinator can
+fetch them in order.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from thunderpool.cluster.blas import fast_blas_env
 from thunderpool.cluster.launch import child_setup, one_core_env, own_core
+from thunderpool.cluster.lifeline import Lifeline
 from thunderpool.cluster.messages import RankSpec
 from thunderpool.config import LINK_TOKEN_ENV
 from thunderpool.engine.job import RankJob
@@ -49,6 +52,7 @@ class _Instance:
         default_factory=lambda: tempfile.TemporaryDirectory(prefix="thunderpool-agent-")
     )
     polled: float = field(default_factory=time.monotonic)
+    lifeline: Lifeline = field(default_factory=Lifeline)
 
 
 class RankManager:
@@ -90,7 +94,8 @@ class RankManager:
                 draft = self.resolve_model(job.draft_model)
                 job = job.model_copy(update={"draft_model": str(draft)})
         with self.lock:
-            inst = self.instances.setdefault(spec.instance_id, _Instance())
+            if (inst := self.instances.get(spec.instance_id)) is None:
+                inst = self.instances[spec.instance_id] = _Instance()  # its own pipe and dir
             inst.polled = time.monotonic()
         tmp = Path(inst.tmp.name)
         cpu = own_core(spec.cpu)
@@ -104,13 +109,15 @@ class RankManager:
             "MLX_RANK": spec.env.get("MLX_RANK", str(spec.rank)),
             **one_core_env(cpu),
             **({LINK_TOKEN_ENV: self.link_token} if self.link_token else {}),
+            **inst.lifeline.env(),
         }
         for var, content in spec.files.items():
             path = tmp / f"{var.lower()}-{spec.rank}.json"
             path.write_text(content)
             env[var] = str(path)
         argv = [sys.executable, "-m", "thunderpool.rank", str(job_file)]
-        proc = self._spawner.submit(_spawn, argv, env, cpu).result()
+        fds = inst.lifeline.pass_fds
+        proc = self._spawner.submit(_spawn, argv, env, cpu, fds).result()
         rank = _Rank(spec.rank, proc)
         inst.ranks[spec.rank] = rank
         inst.polled = time.monotonic()  # the lease runs from the coordinator's last word
@@ -177,6 +184,7 @@ class RankManager:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        inst.lifeline.close()
         inst.tmp.cleanup()
 
     def stop_all(self) -> None:
@@ -185,10 +193,13 @@ class RankManager:
             self.stop(iid)
 
 
-def _spawn(argv: list[str], env: dict[str, str], cpu: int | None) -> subprocess.Popen:
+def _spawn(
+    argv: list[str], env: dict[str, str], cpu: int | None, fds: tuple[int, ...]
+) -> subprocess.Popen:
     return subprocess.Popen(
         argv,
         env=env,
+        pass_fds=fds,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -30,6 +30,15 @@ COMPILED_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
 STEP = 256  # buffer capacity grows in these steps, so a batch shape retraces rarely
 
 
+def wanted(requested: bool | None) -> bool:
+    """Whether this rank decodes with the compiled step: --compile / --no-compile as given;
+    unset, on for a CPU rank and off on a GPU (Metal, CUDA), where the compiled step has never
+    run against eager (scripts/gpu_check.py is the run that would prove it)."""
+    if requested is not None:
+        return requested
+    return mx.default_device() != mx.gpu
+
+
 def supports(model: nn.Module) -> bool:
     """Whether this model's decode step may be compiled."""
     return getattr(getattr(model, "args", None), "model_type", None) in COMPILED_FAMILIES

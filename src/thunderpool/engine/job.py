@@ -69,7 +69,9 @@ class RankJob(_Frozen):
     # EP: (layer, expert, rank) copies of hot experts on ranks besides their owner
     expert_replicas: tuple[tuple[int, int, int], ...] | None = None
     prefill_chunk: int = Field(512, ge=1)
-    compile: bool = True  # compiled decode steps where proven equal (engine/compiled.py)
+    # Compiled decode steps where proven equal (engine/compiled.py); None: on for a CPU rank,
+    # off on a GPU until a GPU run proves them (compiled.wanted).
+    compile: bool | None = None
     draft_model: str | None = None  # the leader's draft for speculative decoding (a model dir)
     spec_k: int = Field(4, ge=1, le=64)  # draft tokens per verify step
     # Hybrid TP×PP: ranks per stage (each stage its own MLX world of that size); the launcher

@@ -21,6 +21,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load_config, load_model
 
+from thunderpool.engine.compiled import wanted
 from thunderpool.engine.runner import Runner
 from thunderpool.errors import ModelError
 from thunderpool.parallel import experts, tensor, vocab
@@ -36,7 +37,7 @@ class Layout:
     tp_weights: tuple[float, ...] | None = None
     layer_split: tuple[int, ...] | None = None
     expert_split: tuple[int, ...] | None = None  # EP: routed experts per rank (default: weights)
-    compile: bool = True  # compiled decode steps where proven equal (engine/compiled.py)
+    compile: bool | None = None  # compiled decode steps (engine/compiled.py); None: wanted()
     # PP: the last stage hands the leader every prefill position's hidden state, not only
     # the last one's (an MTP draft reads them all: engine/mtp.py).
     every_position: bool = False
@@ -72,12 +73,20 @@ class LoadStats:
         }
 
 
+def on_metal() -> bool:
+    """Whether this process computes on a Mac's GPU, whose buffers MLX counts, not /proc."""
+    return mx.metal.is_available() and mx.default_device() == mx.gpu
+
+
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process.
+    """Peak resident set size of this process; on Metal, MLX's peak memory (the shard, KV and
+    activations Metal holds), which the RSS does not show.
 
     On Linux ru_maxrss starts at the forking parent's RSS (it survives exec), so a rank
     started by a large launcher would report the launcher's size; VmHWM is this process's own.
     """
+    if on_metal():
+        return int(mx.get_peak_memory())
     try:
         status = Path("/proc/self/status").read_text()
         line = next(ln for ln in status.splitlines() if ln.startswith("VmHWM:"))
@@ -289,7 +298,7 @@ def load_shard(
     )
     # EP reads each MoE layer's routes on the host, which a traced graph cannot; other
     # layouts (hybrid) stay eager until a test proves their compiled step equal.
-    compiled = layout.compile and layout.parallel in ("tp", "pp")
+    compiled = wanted(layout.compile) and layout.parallel in ("tp", "pp")
     runner = Runner(model, group, stage, compiled)
     runner.every_position = layout.every_position
     return runner, config, stats

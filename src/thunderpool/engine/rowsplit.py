@@ -23,6 +23,7 @@ import threading
 import mlx.core as mx
 
 from thunderpool.config import decode_ways
+from thunderpool.cores import work_cores
 from thunderpool.errors import ThunderpoolError
 
 MAX_WAYS = 8  # past this a part's rows are too few to pay for their stream's sync
@@ -32,10 +33,9 @@ _blas_setting: list[int | None] = [None]  # BLIS's thread count is process-wide
 
 
 def own_cores() -> int:
-    """The cores this process may run on (mpirun --bind-to core and pinned ranks: one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    """The cores this process may run on (mpirun --bind-to core and pinned ranks: one; a Mac:
+    its performance cores, thunderpool/cores.py)."""
+    return work_cores()
 
 
 def ways() -> int:

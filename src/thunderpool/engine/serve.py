@@ -18,7 +18,7 @@ from thunderpool.config import link_token_from_env
 from thunderpool.engine.control import control_for
 from thunderpool.engine.engine import Engine, follow
 from thunderpool.engine.job import RankJob, ServeTask
-from thunderpool.engine.loader import Layout, load_shard, peak_rss_bytes
+from thunderpool.engine.loader import Layout, load_shard, on_metal, peak_rss_bytes
 from thunderpool.engine.speculate import drafter_for, spec_metrics
 from thunderpool.errors import LaunchError
 
@@ -103,7 +103,10 @@ def serve(
 
 
 def current_rss_bytes() -> float:
-    """This process's resident memory now (Linux /proc; 0 where unavailable)."""
+    """This process's resident memory now (Linux /proc; on Metal, MLX's active memory; 0
+    where unavailable)."""
+    if on_metal():
+        return float(mx.get_active_memory())
     try:
         pages = int(Path("/proc/self/statm").read_text().split()[1])
     except (OSError, IndexError, ValueError):

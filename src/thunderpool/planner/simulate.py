@@ -226,7 +226,12 @@ def simulate_main(args: argparse.Namespace) -> int:
     cluster = parse_cluster(args.cluster)
     spec = load_model(args.model)
     plans = simulate(
-        spec, cluster, args.context, args.concurrency, args.prompt_tokens, compiled=args.compile
+        spec,
+        cluster,
+        args.context,
+        args.concurrency,
+        args.prompt_tokens,
+        compiled=bool(args.compile),
     )
     prompt = args.prompt_tokens or min(512, args.context)
     console.print(
@@ -235,6 +240,7 @@ def simulate_main(args: argparse.Namespace) -> int:
         f"context {args.context} x {args.concurrency}, prompt {prompt}"
     )
     console.print(plan_table(distinct(plans, cluster)[: args.top]))
+    console.print(budget_line(cluster), soft_wrap=True)
     from thunderpool.planner import ep
 
     shown = distinct(plans, cluster)[: args.top]
@@ -263,6 +269,20 @@ def simulate_main(args: argparse.Namespace) -> int:
             out["ep"] = ep.ep_json(ep_rows)
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0
+
+
+def budget_line(cluster: Cluster) -> str:
+    """The memory each kind of node's plan may use: its RAM less os_reserve_gb (on a Mac, with
+    the GPU wired limit raised to that, presets.toml; unraised, Metal wires ~3/4 of RAM)."""
+    seen: dict[str, str] = {}
+    for n in cluster.nodes:
+        name = n.preset or n.name
+        usable = n.memory_gb - n.os_reserve_gb
+        seen[name] = f"{name}: {usable:.0f} GB ({n.memory_gb:.0f} GB less {n.os_reserve_gb:.0f} GB"
+        if n.family.startswith("m"):  # a Mac: Metal wires that much only when told
+            seen[name] += f"; sudo sysctl iogpu.wired_limit_mb={int(usable * GB / 2**20)}"
+        seen[name] += ")"
+    return "memory budget per node: " + "; ".join(seen.values())
 
 
 def distinct(plans: list[Plan], cluster: Cluster) -> list[Plan]:

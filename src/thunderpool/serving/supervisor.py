@@ -23,6 +23,7 @@ from thunderpool.serving.view import ClusterView
 RETRY_S = 2.0  # between attempts to plan when the model fits nowhere
 MAX_START_FAILURES = 3  # instances in a row that die before serving: give up
 DRAIN_S = 120.0  # how long a requested replan waits for running requests
+LINK_SETTLE_S = 3.0  # after a lost engine link: how long a launcher may take to name a failed rank
 
 
 class Instance(Protocol):
@@ -144,8 +145,15 @@ class Supervisor:
 
     def _link_lost(self, reason: str) -> None:
         self._last_error = reason
-        if self.instance is not None:
-            self.instance.interrupt()
+        instance = self.instance
+        # A failed rank often ends the leader's link before its launcher sees the exit (mpirun
+        # takes ~1 s to stop the rest): give the launcher that long to report the rank's own
+        # error (it ends the instance itself), then end what is left.
+        deadline = time.monotonic() + LINK_SETTLE_S
+        while instance is not None and self.instance is instance and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if instance is not None and self.instance is instance:
+            instance.interrupt()
 
     def stop(self) -> None:
         self._stopping = True

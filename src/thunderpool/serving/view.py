@@ -27,7 +27,8 @@ class RankReport:
     rss_bytes: int | None = None
     peak_rss_bytes: int | None = None
     method: str | None = None
-    blas: str | None = None  # "BLIS", "OpenBLAS", "Accelerate", "reference" (cluster/blas.py)
+    # "BLIS", "OpenBLAS", "Accelerate", "reference", or "Metal"/"CUDA" on a GPU (cluster/blas.py)
+    blas: str | None = None
     blas_path: str | None = None
     backend: str | None = None  # "ring", "jaccl", "mpi"; None for a single rank
 

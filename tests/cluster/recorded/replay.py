@@ -27,6 +27,7 @@ FILES = {
     ("sysctl", "-n", "kern.uuid"): "sysctl_kern_uuid.txt",
     ("ipconfig", "getifaddr", "en0"): "ipconfig_getifaddr_en0.txt",
     ("sysctl", "-n", "iogpu.wired_limit_mb"): "sysctl_iogpu_wired_limit_mb.txt",
+    ("sysctl", "-n", "hw.perflevel0.physicalcpu"): "sysctl_perflevel0_physicalcpu.txt",
 }
 
 
