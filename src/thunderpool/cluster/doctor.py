@@ -107,13 +107,10 @@ def probe_jaccl() -> bool | None:
 
 def probe_working_set() -> int | None:
     """Metal's recommended working set (the GPU wired limit's default), None off Metal."""
-    try:
-        import mlx.core as mx
+    from thunderpool.cluster import metal
 
-        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
-        return int(info["max_recommended_working_set_size"]) or None
-    except Exception:  # no Metal device (the key is missing), or no device_info at all
-        return None
+    info = metal.device_info()
+    return int(info.get("max_recommended_working_set_size") or 0) or None if info else None
 
 
 # ---- macOS checks ---------------------------------------------------------------------------
