@@ -12,11 +12,13 @@ with a message naming the family, the layout and what works (tests/parallel/test
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import gcd, lcm
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from thunderpool.errors import ShardingError
+from thunderpool.parallel.packing import Packing, check_cut, head_unit
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +57,13 @@ def proportional_split(total: int, weights: list[float], align: int = 1) -> list
     return bounds
 
 
-def split_heads(n_heads: int, n_kv: int, weights: list[float]) -> list[HeadShare]:
+def split_heads(n_heads: int, n_kv: int, weights: list[float], unit: int = 1) -> list[HeadShare]:
     """Assign query heads to ranks so that each rank holds whole GQA groups or part of one.
 
     With fewer ranks than KV heads, ranks get whole groups; with more, each rank gets part of
-    one group and that KV head is replicated on the ranks sharing it.
+    one group and that KV head is replicated on the ranks sharing it. Shares start on
+    multiples of `unit` query heads (a quantized o_proj is cut on whole groups and words only):
+    an uneven share moves to the nearest such boundary, or the split is refused.
     """
     n = len(weights)
     if n_heads % n_kv:
@@ -71,16 +75,29 @@ def split_heads(n_heads: int, n_kv: int, weights: list[float]) -> list[HeadShare
         )
     group = n_heads // n_kv
     if n <= n_kv:
-        return [HeadShare(a * group, b * group, a, b) for a, b in proportional_split(n_kv, weights)]
+        kv_unit = unit // gcd(unit, group)  # KV groups per cut
+        if n_kv % kv_unit or n > n_kv // kv_unit:
+            raise _unit_error(n, n_heads, unit)
+        bounds = proportional_split(n_kv, weights, kv_unit)
+        return [HeadShare(a * group, b * group, a, b) for a, b in bounds]
     # Ranks per KV group, then each group's query heads split among its ranks.
     per_group = [len(r) for r in _chunks(list(range(n)), n_kv)]
+    if group % unit or max(per_group) > group // unit:
+        raise _unit_error(n, n_heads, unit)
     shares, rank = [], 0
     for kv, count in enumerate(per_group):
         ranks_w = weights[rank : rank + count]
-        for a, b in proportional_split(group, ranks_w):
+        for a, b in proportional_split(group, ranks_w, unit):
             shares.append(HeadShare(kv * group + a, kv * group + b, kv, kv + 1))
         rank += count
     return shares
+
+
+def _unit_error(n: int, n_heads: int, unit: int) -> ShardingError:
+    return ShardingError(
+        f"tp={n} cannot give each rank whole runs of {unit} of the {n_heads} query heads "
+        "(the quantized o_proj is cut only on whole groups and packed words)"
+    )
 
 
 def _chunks(items: list, k: int) -> list[list]:
@@ -109,15 +126,16 @@ class SumAfter(nn.Module):
         return y + self.bias if "bias" in self else y
 
 
-def _quant(module: nn.Module) -> tuple[int, int] | None:
-    """(bits, group_size) of a quantized projection, or None for a plain one."""
+def _packing(module: nn.Module) -> Packing | None:
+    """How a projection is quantized, or None for a plain one."""
     if "scales" in module:
-        return module.bits, module.group_size
+        return Packing(module.bits, module.group_size, getattr(module, "mode", "affine"))
     return None
 
 
 def slice_rows(module: nn.Module, a: int, b: int) -> None:
-    """Keep output features [a, b) of a (possibly quantized, possibly per-expert) projection."""
+    """Keep output features [a, b) of a (possibly quantized, possibly per-expert) projection:
+    whole rows of weight, scales and biases, whatever the format."""
     for name in ("weight", "scales", "biases", "bias"):
         if name in module:
             w = module[name]
@@ -126,21 +144,18 @@ def slice_rows(module: nn.Module, a: int, b: int) -> None:
 
 
 def slice_cols(module: nn.Module, a: int, b: int) -> None:
-    """Keep input features [a, b) of a (possibly quantized, possibly per-expert) projection."""
-    q = _quant(module)
-    if q is None:
+    """Keep input features [a, b) of a (possibly quantized, possibly per-expert) projection:
+    packed words of the weight, groups of the scales (and biases, where the format has them)."""
+    p = _packing(module)
+    if p is None:
         module["weight"] = mx.contiguous(_take(module["weight"], -1, a, b))
         return
-    bits, gs = q
-    if a % gs or b % gs:
-        raise ShardingError(
-            f"cannot slice input features [{a}, {b}) of a {bits}-bit projection with group "
-            f"size {gs}; use an even split or a non-quantized model"
-        )
-    per_word = 32 // bits
-    module["weight"] = mx.contiguous(_take(module["weight"], -1, a // per_word, b // per_word))
+    wa, wb = check_cut(a, b, p, f"a {type(module).__name__}")
+    module["weight"] = mx.contiguous(_take(module["weight"], -1, wa, wb))
     for name in ("scales", "biases"):
-        module[name] = mx.contiguous(_take(module[name], -1, a // gs, b // gs))
+        if name in module:
+            g = p.group_size
+            module[name] = mx.contiguous(_take(module[name], -1, a // g, b // g))
 
 
 def _take(w: mx.array, axis: int, a: int, b: int) -> mx.array:
@@ -150,9 +165,30 @@ def _take(w: mx.array, axis: int, a: int, b: int) -> mx.array:
 
 
 def _align(*modules: nn.Module) -> int:
-    """Channel step that keeps quantization groups whole."""
-    steps = [q[1] for m in modules if (q := _quant(m))]
-    return max(steps, default=1)
+    """Channel step that keeps quantization groups and packed words whole."""
+    return lcm(1, *(p.step for m in modules if (p := _packing(m))))
+
+
+def head_step(model: nn.Module) -> tuple[int, str]:
+    """Input features per allowed cut of every layer's o_proj (1: plain), and the formats
+    that ask for it, for messages."""
+    steps, names = [1], []
+    for layer in model.layers:
+        o = getattr(getattr(layer, "self_attn", None), "o_proj", None)
+        if o is not None and (p := _packing(o)) is not None:
+            steps.append(p.step)
+            names.append(str(p))
+    return lcm(*steps), ", ".join(dict.fromkeys(names))
+
+
+def _head_unit(model: nn.Module) -> int:
+    """Whole query heads per cut, so that o_proj is cut on its quantization boundaries."""
+    attn = model.layers[0].self_attn
+    q_proj = getattr(attn, "q_proj", None)
+    heads = _heads(attn)[0]
+    if q_proj is None or not heads:
+        return 1
+    return head_unit(q_proj.weight.shape[-2] // heads, [head_step(model)[0]])
 
 
 # How families name their head counts: llama/qwen/gemma, mixtral, gpt-oss.
@@ -186,15 +222,17 @@ def shard_attention(attn: nn.Module, share: HeadShare, group: mx.distributed.Gro
     setattr(attn, kv_name, share.kv1 - share.kv0)
 
 
-def shard_mlp(mlp: nn.Module, weights: list[float], rank: int, group) -> None:
-    """Split a dense SwiGLU MLP or a SwitchGLU MoE along its intermediate channels."""
+def shard_mlp(mlp: nn.Module, weights: list[float], rank: int, group, routed: bool = True) -> None:
+    """Split a dense SwiGLU MLP or a SwitchGLU MoE along its intermediate channels (not the
+    routed experts' where `routed` is False: expert parallelism gives them whole)."""
     if hasattr(mlp, "switch_mlp"):
         if not hasattr(mlp, "sharding_group"):
             raise ShardingError(
                 f"MoE block {type(mlp).__name__} cannot all_sum its experts; use --parallel pp"
             )
         experts = mlp.switch_mlp
-        _shard_glu(experts.gate_proj, experts.up_proj, experts.down_proj, weights, rank)
+        if routed:
+            _shard_glu(experts.gate_proj, experts.up_proj, experts.down_proj, weights, rank)
         # Shared experts add into the routed output before the block's all_sum: split them too.
         for name in ("shared_experts", "shared_expert"):
             if hasattr(mlp, name):
@@ -213,11 +251,33 @@ def shard_mlp(mlp: nn.Module, weights: list[float], rank: int, group) -> None:
 
 
 def _shard_glu(gate, up, down, weights: list[float], rank: int) -> None:
-    hidden = gate.weight.shape[-2]
-    a, b = proportional_split(hidden, weights, _align(gate, up, down))[rank]
+    a, b = glu_split(gate, down, weights)[rank]
     slice_rows(gate, a, b)
     slice_rows(up, a, b)
     slice_cols(down, a, b)
+
+
+def glu_split(gate: nn.Module, down: nn.Module, weights: list[float]) -> list[tuple[int, int]]:
+    """Each rank's channels of a gated MLP: gate/up keep rows (any cut), down_proj keeps
+    input columns, cut only on its quantization step (parallel/packing.py)."""
+    channels, step = gate.weight.shape[-2], _align(down)
+    try:
+        return proportional_split(channels, weights, step)
+    except ShardingError:
+        raise ShardingError(
+            f"tp={len(weights)} with weights {weights} cannot split an MLP's {channels} channels "
+            f"on its {_packing(down)} down_proj (cuts every {step} channels); use fewer ranks "
+            "for TP or --parallel pp"
+        ) from None
+
+
+def _glus(layer: nn.Module, routed: bool = True) -> list[tuple[nn.Module, nn.Module]]:
+    """(gate_proj, down_proj) of each gated MLP TP splits in a layer: dense, experts (where
+    `routed`), shared."""
+    mlp = _mlp_of(layer)
+    blocks = [getattr(mlp, "switch_mlp", mlp)] if routed or "switch_mlp" not in mlp else []
+    blocks += [getattr(mlp, s) for s in ("shared_experts", "shared_expert") if s in mlp]
+    return [(b.gate_proj, b.down_proj) for b in blocks if hasattr(b, "gate_proj")]
 
 
 def _mlp_of(layer: nn.Module) -> nn.Module:
@@ -282,22 +342,30 @@ def _even(model: nn.Module, n: int, weights: list[float]) -> bool:
     """True where mlx-lm's own shard() applies: equal shares that divide every split dimension."""
     if len(set(weights)) > 1 or not hasattr(model, "shard"):
         return False
+    step = head_step(model)[0]
     for layer in model.layers:
         heads, kv = _heads(layer.self_attn)
         if not heads or heads % n or kv % n:
             return False
+        q_proj = getattr(layer.self_attn, "q_proj", None)
+        if q_proj is not None and q_proj.weight.shape[-2] // n % step:
+            return False  # o_proj's equal input shares would cut a group or a word
         mlp = _mlp_of(layer)
         blocks = [getattr(mlp, "switch_mlp", None) or getattr(mlp, "experts", None) or mlp]
         blocks += [getattr(mlp, s) for s in ("shared_experts", "shared_expert") if s in mlp]
         for block in blocks:
             gate = getattr(block, "gate_proj", None)
-            if gate is None or gate.weight.shape[-2] % (n * _align(gate)):
+            down = getattr(block, "down_proj", None)
+            if gate is None or gate.weight.shape[-2] % (n * _align(gate, down or gate)):
                 return False
     return True
 
 
-def check(model: nn.Module, n: int, weights: list[float] | None = None) -> None:
-    """Raise ShardingError if `model` cannot be split over n ranks with these weights."""
+def check(
+    model: nn.Module, n: int, weights: list[float] | None = None, routed: bool = True
+) -> None:
+    """Raise ShardingError if `model` cannot be split over n ranks with these weights (its
+    routed experts' channels too, unless `routed` is False: EP keeps them whole)."""
     weights = list(weights or [1.0] * n)
     if len(weights) != n:
         raise ShardingError(f"--tp-weights has {len(weights)} parts for {n} ranks")
@@ -307,29 +375,65 @@ def check(model: nn.Module, n: int, weights: list[float] | None = None) -> None:
         raise ShardingError(why)
     if _even(model, n, weights):
         return
-    split_heads(*_heads(model.layers[0].self_attn), weights)
+    _shares(model, n, weights)
+    for layer in model.layers:
+        for gate, down in _glus(layer, routed):
+            glu_split(gate, down, weights)
 
 
-def shard(model: nn.Module, group: mx.distributed.Group, weights: list[float] | None = None) -> str:
-    """Shard `model` in place for this rank of `group`; returns which method was used."""
+def _shares(model: nn.Module, n: int, weights: list[float]) -> list[HeadShare]:
+    """Each rank's heads on our uneven path, or a one-line refusal naming the format."""
+    heads, kv = _heads(model.layers[0].self_attn)
+    unit = _head_unit(model)
+    try:
+        return split_heads(heads, kv, weights, unit)
+    except ShardingError as e:
+        if unit == 1:
+            raise
+        ok = [d for d in range(2, heads + 1) if _splits(model, d, heads, kv, unit)]
+        raise ShardingError(
+            f"{_family(model)} quantized as {head_step(model)[1]}: {e}; use tp in "
+            f"{ok or '(none)'} with these weights' shape, other --tp-weights, or --parallel pp"
+        ) from None
+
+
+def _splits(model: nn.Module, n: int, heads: int, kv: int, unit: int) -> bool:
+    if _even(model, n, [1.0] * n):
+        return True
+    try:
+        split_heads(heads, kv, [1.0] * n, unit)
+    except ShardingError:
+        return False
+    return True
+
+
+def shard(
+    model: nn.Module,
+    group: mx.distributed.Group,
+    weights: list[float] | None = None,
+    routed: bool = True,
+) -> str:
+    """Shard `model` in place for this rank of `group`; returns which method was used.
+    `routed` False leaves the routed experts' channels whole (expert parallelism)."""
     n, rank = group.size(), group.rank()
     weights = list(weights or [1.0] * n)
-    check(model, n, weights)
+    check(model, n, weights, routed)
     if n == 1:
         return "none"
     if _even(model, n, weights):
         model.shard(group)
         return "mlx-lm"
-    shares = split_heads(*_heads(model.layers[0].self_attn), weights)
+    shares = _shares(model, n, weights)
     for layer in model.layers:
         shard_attention(layer.self_attn, shares[rank], group)
         if "mlp" in layer:
-            shard_mlp(layer.mlp, weights, rank, group)
+            shard_mlp(layer.mlp, weights, rank, group, routed)
         else:
             # A MoE block that cannot all_sum itself (Mixtral): split its experts' channels
             # and sum the whole block's partial output.
             moe = layer.block_sparse_moe
             experts = moe.switch_mlp
-            _shard_glu(experts.gate_proj, experts.up_proj, experts.down_proj, weights, rank)
+            if routed:
+                _shard_glu(experts.gate_proj, experts.up_proj, experts.down_proj, weights, rank)
             layer.block_sparse_moe = SumAfter(moe, group)
     return "uneven"
