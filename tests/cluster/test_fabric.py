@@ -144,16 +144,18 @@ def quantize(model: Path, out: Path, bits: int = 4, group_size: int = 32) -> Pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama-q4", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["llama-q4", "llama-q3", "llama-q6", "qwen3_moe"])
 def test_tp2_slices_quantized_and_expert_matrices_at_the_source(
     pair, tiny_models, tmp_path, kind, one_rank_trace
 ):
-    """Packed weights with their scales and biases (rows, or whole input groups) and each
-    expert's gate/up/down are cut at the source like parallel/tensor.py cuts them."""
+    """Packed weights with their scales and biases (rows, or whole input groups and words:
+    3- and 6-bit values straddle words) and each expert's gate/up/down are cut at the source
+    like parallel/tensor.py cuts them."""
     _, a, b, _ = pair
-    model = tiny_models[kind.removesuffix("-q4")]
-    if kind.endswith("-q4"):  # beside the others, so node b cannot see it either
-        model = quantize(model, model.parent / kind)
+    family, _, bits = kind.partition("-q")
+    model = tiny_models[family]
+    if bits:  # beside the others, so node b cannot see it either
+        model = quantize(model, model.parent / kind, bits=int(bits))
     index = index_model(model)
     sliced = {p.name for p in rank_pieces(index, RankLayout(rank=1, world=2)) if p.axis is not None}
     want = ("o_proj.scales", "down_proj.biases", "q_proj.weight", "lm_head.scales")
