@@ -138,3 +138,25 @@ def test_experts_too_narrow_for_tp3_still_take_ep3(tmp_path):
     preflight(model_dir, 3, Layout("ep"))
     model, _ = build_lazy(model_dir)
     tensor.check(model, 3, routed=False)
+
+
+def test_planner_shares_heads_in_the_same_runs():
+    """The planner's head shares (cost.shares) take the unit the loader cuts in: 8 heads of
+    64 channels, 2 KV groups, o_proj at group 128 -> pairs of heads; weights 3:1 within a
+    KV group's two ranks give 2 + 2 heads, not 3 + 1."""
+    from quant_formats import FAMILIES
+
+    from thunderpool.planner.cost import Stage, shares
+    from thunderpool.planner.spec import model_spec_from_config
+
+    config = {**FAMILIES["llama"], "num_key_value_heads": 2}
+    plain = model_spec_from_config(config, dtype_bytes=4.0)
+    q = {**config, "quantization": {"group_size": 128, "bits": 4, "mode": "affine"}}
+    spec = model_spec_from_config(q, dtype_bytes=4.0)
+    assert (plain.head_unit, spec.head_unit) == (1, 2)
+    stage = Stage(("a", "b", "c", "d"), (0, 4), (3.0, 1.0, 3.0, 1.0))
+    assert [s.q * 8 for s in shares(plain, stage)] == [3, 1, 3, 1]
+    assert [s.q * 8 for s in shares(spec, stage)] == [2, 2, 2, 2]
+    # The loader agrees (tensor.split_heads with the unit it computes from the o_projs).
+    loader = split_heads(8, 2, [3, 1, 3, 1], unit=2)
+    assert [h.q1 - h.q0 for h in loader] == [2, 2, 2, 2]

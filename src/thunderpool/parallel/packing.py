@@ -71,11 +71,19 @@ def from_shapes(in_features: int, weight_cols: int, scale_cols: int, mode: str) 
     return Packing(weight_cols * 32 // in_features, in_features // scale_cols, mode)
 
 
+# (bits, group_size) that to_quantized takes for a mode when an entry leaves them out.
+DEFAULTS = {"affine": (4, 64), "mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
+
+
 def from_config(q: dict | None) -> Packing | None:
-    """The packing a config.json `quantization` entry names; None for False/absent."""
-    if not isinstance(q, dict) or "bits" not in q:
+    """The packing a config.json `quantization` entry names (the top-level one, or a
+    per-module one: mlx's to_quantized reads a missing mode as affine, missing bits and group
+    as the mode's defaults); None for False/absent."""
+    if not isinstance(q, dict):
         return None
-    return Packing(int(q["bits"]), int(q.get("group_size") or 64), q.get("mode") or "affine")
+    mode = q.get("mode") or "affine"
+    bits, group = DEFAULTS.get(mode, (4, 64))
+    return Packing(int(q.get("bits") or bits), int(q.get("group_size") or group), mode)
 
 
 def check_cut(a: int, b: int, packing: Packing, what: str) -> tuple[int, int]:
