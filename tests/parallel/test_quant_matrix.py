@@ -170,8 +170,18 @@ def test_cell_matches_one_rank(layout, fmt, checkpoints, references, launches):
     held = [e["param_bytes"] for e in loaded]
     if parallel == "pp":
         assert sum(held) == total  # each layer on exactly one stage
+    elif parallel == "tp" and nodes > 1:
+        # Every quantized array (words, scales, biases) is cut, none is held twice: the
+        # ranks together hold the model plus one copy of its norms per extra rank.
+        norms = sum(v.nbytes for n, v in _params(checkpoints[kind, fmt]) if "norm" in n)
+        assert sum(held) == total + (nodes - 1) * norms
     elif nodes > 1:
         assert max(held) < total * 0.8  # no rank holds the whole model
+
+
+def _params(model_dir: Path) -> list:
+    model, _ = load_model(model_dir, lazy=True)
+    return tree_flatten(model.parameters())
 
 
 def test_reference_is_not_degenerate(references):
