@@ -18,7 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from thunderpool.errors import ShardingError
-from thunderpool.parallel.packing import Packing, check_cut, head_unit
+from thunderpool.parallel.packing import head_unit
+from thunderpool.parallel.slicing import packing_of, slice_cols, slice_rows, step_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,56 +127,13 @@ class SumAfter(nn.Module):
         return y + self.bias if "bias" in self else y
 
 
-def _packing(module: nn.Module) -> Packing | None:
-    """How a projection is quantized, or None for a plain one."""
-    if "scales" in module:
-        return Packing(module.bits, module.group_size, getattr(module, "mode", "affine"))
-    return None
-
-
-def slice_rows(module: nn.Module, a: int, b: int) -> None:
-    """Keep output features [a, b) of a (possibly quantized, possibly per-expert) projection:
-    whole rows of weight, scales and biases, whatever the format."""
-    for name in ("weight", "scales", "biases", "bias"):
-        if name in module:
-            w = module[name]
-            axis = w.ndim - 1 if name == "bias" else w.ndim - 2
-            module[name] = mx.contiguous(_take(w, axis, a, b))
-
-
-def slice_cols(module: nn.Module, a: int, b: int) -> None:
-    """Keep input features [a, b) of a (possibly quantized, possibly per-expert) projection:
-    packed words of the weight, groups of the scales (and biases, where the format has them)."""
-    p = _packing(module)
-    if p is None:
-        module["weight"] = mx.contiguous(_take(module["weight"], -1, a, b))
-        return
-    wa, wb = check_cut(a, b, p, f"a {type(module).__name__}")
-    module["weight"] = mx.contiguous(_take(module["weight"], -1, wa, wb))
-    for name in ("scales", "biases"):
-        if name in module:
-            g = p.group_size
-            module[name] = mx.contiguous(_take(module[name], -1, a // g, b // g))
-
-
-def _take(w: mx.array, axis: int, a: int, b: int) -> mx.array:
-    index = [slice(None)] * w.ndim
-    index[axis] = slice(a, b)
-    return w[tuple(index)]
-
-
-def _align(*modules: nn.Module) -> int:
-    """Channel step that keeps quantization groups and packed words whole."""
-    return lcm(1, *(p.step for m in modules if (p := _packing(m))))
-
-
 def head_step(model: nn.Module) -> tuple[int, str]:
     """Input features per allowed cut of every layer's o_proj (1: plain), and the formats
     that ask for it, for messages."""
     steps, names = [1], []
     for layer in model.layers:
         o = getattr(getattr(layer, "self_attn", None), "o_proj", None)
-        if o is not None and (p := _packing(o)) is not None:
+        if o is not None and (p := packing_of(o)) is not None:
             steps.append(p.step)
             names.append(str(p))
     return lcm(*steps), ", ".join(dict.fromkeys(names))
@@ -257,27 +215,32 @@ def _shard_glu(gate, up, down, weights: list[float], rank: int) -> None:
     slice_cols(down, a, b)
 
 
-def glu_split(gate: nn.Module, down: nn.Module, weights: list[float]) -> list[tuple[int, int]]:
+def glu_split(
+    gate: nn.Module, down: nn.Module, weights: list[float], experts: bool = False
+) -> list[tuple[int, int]]:
     """Each rank's channels of a gated MLP: gate/up keep rows (any cut), down_proj keeps
     input columns, cut only on its quantization step (parallel/packing.py)."""
-    channels, step = gate.weight.shape[-2], _align(down)
+    channels, step = gate.weight.shape[-2], step_of(down)
     try:
         return proportional_split(channels, weights, step)
     except ShardingError:
+        what = "routed experts'" if experts else "MLP's"
+        ep = ", --parallel ep (whole experts)" if experts else ""
         raise ShardingError(
-            f"tp={len(weights)} with weights {weights} cannot split an MLP's {channels} channels "
-            f"on its {_packing(down)} down_proj (cuts every {step} channels); use fewer ranks "
-            "for TP or --parallel pp"
+            f"tp={len(weights)} with weights {weights} cannot split the {what} {channels} "
+            f"channels on the boundaries of their {packing_of(down)} down_proj (every {step}); "
+            f"use tp of at most {channels // step} in equal shares{ep} or --parallel pp"
         ) from None
 
 
-def _glus(layer: nn.Module, routed: bool = True) -> list[tuple[nn.Module, nn.Module]]:
-    """(gate_proj, down_proj) of each gated MLP TP splits in a layer: dense, experts (where
-    `routed`), shared."""
+def _glus(layer: nn.Module, routed: bool = True) -> list[tuple[nn.Module, nn.Module, bool]]:
+    """(gate_proj, down_proj, are they routed experts) of each gated MLP TP splits in a
+    layer: dense, experts (where `routed`), shared."""
     mlp = _mlp_of(layer)
-    blocks = [getattr(mlp, "switch_mlp", mlp)] if routed or "switch_mlp" not in mlp else []
-    blocks += [getattr(mlp, s) for s in ("shared_experts", "shared_expert") if s in mlp]
-    return [(b.gate_proj, b.down_proj) for b in blocks if hasattr(b, "gate_proj")]
+    switch = "switch_mlp" in mlp
+    blocks = [(getattr(mlp, "switch_mlp", mlp), switch)] if routed or not switch else []
+    blocks += [(getattr(mlp, s), False) for s in ("shared_experts", "shared_expert") if s in mlp]
+    return [(b.gate_proj, b.down_proj, e) for b, e in blocks if hasattr(b, "gate_proj")]
 
 
 def _mlp_of(layer: nn.Module) -> nn.Module:
@@ -356,7 +319,7 @@ def _even(model: nn.Module, n: int, weights: list[float]) -> bool:
         for block in blocks:
             gate = getattr(block, "gate_proj", None)
             down = getattr(block, "down_proj", None)
-            if gate is None or gate.weight.shape[-2] % (n * _align(gate, down or gate)):
+            if gate is None or gate.weight.shape[-2] % (n * step_of(gate, down or gate)):
                 return False
     return True
 
@@ -377,8 +340,8 @@ def check(
         return
     _shares(model, n, weights)
     for layer in model.layers:
-        for gate, down in _glus(layer, routed):
-            glu_split(gate, down, weights)
+        for gate, down, experts in _glus(layer, routed):
+            glu_split(gate, down, weights, experts)
 
 
 def _shares(model: nn.Module, n: int, weights: list[float]) -> list[HeadShare]:
