@@ -25,6 +25,7 @@ from thunderpool.engine.runner import Runner
 from thunderpool.errors import ModelError
 from thunderpool.models import published
 from thunderpool.parallel import experts, tensor, vocab
+from thunderpool.parallel.packing import config_head_unit
 from thunderpool.parallel.pipeline import PipelineStage, split_layers
 from thunderpool.parallel.stored_rows import StoredRows
 
@@ -344,7 +345,8 @@ def describe_layout(config: dict, layout: Layout, world: int) -> dict:
         return {"parallel": "pp", "ranks": ranks}
     heads = config.get("num_attention_heads", 0)
     kv = config.get("num_key_value_heads") or heads
-    shares = tensor.split_heads(heads, kv, list(layout.tp_weights or [1.0] * world))
+    weights = list(layout.tp_weights or [1.0] * world)
+    shares = tensor.split_heads(heads, kv, weights, config_head_unit(config))
     ranks = [
         {"rank": r, "layers": [0, n_layers], "heads": {"q": [s.q0, s.q1], "kv": [s.kv0, s.kv1]}}
         for r, s in enumerate(shares)

@@ -104,3 +104,19 @@ def head_unit(head_dim: int, steps: Iterable[int]) -> int:
     input must be cut every lcm(steps) features: 1 for a plain model or head_dim 128."""
     step = lcm(1, *steps)
     return step // gcd(step, head_dim)
+
+
+def config_head_unit(config: dict) -> int:
+    """head_unit of a GQA model as its config.json quantizes the layers' o_proj (for the
+    planner and the layout description, which have no loaded model)."""
+    q = config.get("quantization")
+    heads = config.get("num_attention_heads") or 0
+    if not isinstance(q, dict) or not heads or config.get("kv_lora_rank"):
+        return 1  # plain, or MLA (split in equal shares by mlx-lm's own shard())
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    steps = []
+    for i in range(config.get("num_hidden_layers", 0)):
+        p = from_config(q.get(f"model.layers.{i}.self_attn.o_proj", q))
+        if p is not None and heads * head_dim % p.group_size == 0:  # else left in float
+            steps.append(p.step)
+    return head_unit(head_dim, steps)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from thunderpool.errors import ModelError
-from thunderpool.parallel.packing import from_config, head_unit
+from thunderpool.parallel.packing import config_head_unit
 from thunderpool.planner import dispatch
 from thunderpool.planner.layers import (
     Part,
@@ -361,22 +361,8 @@ def model_spec_from_config(
         sliding_window=(config.get("sliding_window") or 0) if family == "v4" else 0,
         compress_ratios=ratios,
         index_topk=config.get("index_topk", 0) if family == "v4" else 0,
-        head_unit=_head_unit(config, heads, head_dim) if family not in ("mla", "v4") else 1,
+        head_unit=config_head_unit(config) if family not in ("mla", "v4") else 1,
     )
-
-
-def _head_unit(config: dict, heads: int, head_dim: int) -> int:
-    """Query heads per allowed cut of the layers' o_proj, as config.json quantizes them."""
-    q = config.get("quantization")
-    if not isinstance(q, dict):
-        return 1
-    steps = []
-    for i in range(config["num_hidden_layers"]):
-        entry = q.get(f"model.layers.{i}.self_attn.o_proj", q)
-        p = from_config(entry)
-        if p is not None and heads * head_dim % p.group_size == 0:  # else left in float
-            steps.append(p.step)
-    return head_unit(head_dim, steps)
 
 
 def _v4_cached_per_token(config: dict, ratios: tuple[int, ...]) -> float:
