@@ -75,6 +75,8 @@ def _formats() -> dict[str, dict]:
             out[f"q{bits}g{group}"] = {"q_bits": bits, "q_group_size": group}
     for mode in ("mxfp4", "nvfp4", "mxfp8"):
         out[mode] = {"q_mode": mode}
+    # nvfp4 with one tensor scale per expert (quantize_model's global_scale): MoE only.
+    out["nvfp4-gs"] = {"q_mode": "nvfp4", "global_scale": True}
     for recipe in ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"):
         out[recipe] = {"quant_predicate": recipe, "q_group_size": 64}
     out["overrides"] = {"quant_predicate": _overrides, "q_group_size": 64, "q_bits": 4}
@@ -118,6 +120,7 @@ def make_quantized(base: Path, fmt: str, out: Path) -> Path:
         args.get("q_group_size"),
         args.get("q_bits"),
         mode=args.get("q_mode", "affine"),
+        global_scale=args.get("global_scale", False),
         quant_predicate=predicate,
     )
     save_model(out, model, donate_model=True)

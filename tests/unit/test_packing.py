@@ -165,3 +165,31 @@ def test_planner_shares_heads_in_the_same_runs():
     # The loader agrees (tensor.split_heads with the unit it computes from the o_projs).
     loader = split_heads(8, 2, [3, 1, 3, 1], unit=2)
     assert [h.q1 - h.q0 for h in loader] == [2, 2, 2, 2]
+
+
+def test_nvfp4_tensor_scales_go_with_their_experts(tmp_path):
+    """nvfp4 with one tensor scale per expert (quantize_model's global_scale; mx.gather_qmm
+    runs it on the GPU only, so here the cut is checked, not the product): EP gives each rank
+    its experts' scales, TP's channel split keeps them all, and mlx-lm's even shard() (which
+    would cut the (E,) scales as channels) is not used."""
+    from types import SimpleNamespace
+
+    from quant_formats import make_base, make_quantized
+
+    from thunderpool.parallel import experts
+
+    model_dir = make_quantized(make_base("qwen3_moe", tmp_path / "b"), "nvfp4-gs", tmp_path / "q")
+    full, _ = build_lazy(model_dir)
+    want = full.layers[1].mlp.switch_mlp.down_proj.global_scale
+    assert want.shape == (4,)
+    for rank in range(2):
+        model, _ = build_lazy(model_dir)
+        group = SimpleNamespace(size=lambda: 2, rank=lambda r=rank: r)
+        share = experts.shard(model, group)
+        local = experts.unwrap(model.layers[1].mlp, "switch_mlp").down_proj
+        assert mx.array_equal(local.global_scale, want[share.e0 : share.e1]).item()
+        model, _ = build_lazy(model_dir)
+        assert tensor.shard(model, group) == "uneven"  # not mlx-lm's shard()
+        kept = model.layers[1].mlp.switch_mlp.down_proj
+        assert mx.array_equal(kept.global_scale, want).item()
+        assert kept.weight.shape[-1] == 256 // 2 * 4 // 32  # half the channels, packed

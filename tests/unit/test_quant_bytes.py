@@ -70,7 +70,7 @@ def test_plan_bytes_are_the_loaded_arrays(kind, fmt, converted):
         assert model_spec_from_config(config, dtype_bytes=4.0) == measured
 
 
-SUFFIXES = [f for f in FORMATS if f != "overrides"]
+SUFFIXES = [f for f in FORMATS if f not in ("overrides", "nvfp4-gs")]
 
 
 @pytest.mark.parametrize("fmt", SUFFIXES)

@@ -27,7 +27,8 @@ from thunderpool.parallel.vocab import RowReader
 
 # Where MoE blocks keep their stacked experts: qwen/deepseek/glm/mixtral, gpt-oss.
 EXPERT_NAMES = ("switch_mlp", "experts")
-_TENSORS = ("weight", "scales", "biases", "bias")
+# global_scale: nvfp4's one tensor scale per expert (mlx-lm's quantize_model global_scale).
+_TENSORS = ("weight", "scales", "biases", "bias", "global_scale")
 # config.json's routed-expert count, by family (deepseek/glm, qwen, mixtral/gpt-oss).
 _EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 

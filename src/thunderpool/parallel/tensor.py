@@ -139,14 +139,23 @@ def head_step(model: nn.Module) -> tuple[int, str]:
     return lcm(*steps), ", ".join(dict.fromkeys(names))
 
 
+def _o_in(attn: nn.Module) -> int:
+    """Input features of the attention's o_proj (heads x the width of each head's output)."""
+    o = getattr(attn, "o_proj", None)
+    if o is None or "weight" not in o:
+        return 0
+    p = packing_of(o)
+    cols = o.weight.shape[-1]
+    return cols * 32 // p.bits if p is not None else cols
+
+
 def _head_unit(model: nn.Module) -> int:
     """Whole query heads per cut, so that o_proj is cut on its quantization boundaries."""
     attn = model.layers[0].self_attn
-    q_proj = getattr(attn, "q_proj", None)
-    heads = _heads(attn)[0]
-    if q_proj is None or not heads:
+    heads, o_in = _heads(attn)[0], _o_in(attn)
+    if not heads or not o_in:
         return 1
-    return head_unit(q_proj.weight.shape[-2] // heads, [head_step(model)[0]])
+    return head_unit(o_in // heads, [head_step(model)[0]])
 
 
 # How families name their head counts: llama/qwen/gemma, mixtral, gpt-oss.
@@ -305,13 +314,14 @@ def _even(model: nn.Module, n: int, weights: list[float]) -> bool:
     """True where mlx-lm's own shard() applies: equal shares that divide every split dimension."""
     if len(set(weights)) > 1 or not hasattr(model, "shard"):
         return False
+    if any("global_scale" in m for _, m in model.named_modules()):
+        return False  # mlx's shard_linear would split nvfp4's per-expert scales as channels
     step = head_step(model)[0]
     for layer in model.layers:
         heads, kv = _heads(layer.self_attn)
         if not heads or heads % n or kv % n:
             return False
-        q_proj = getattr(layer.self_attn, "q_proj", None)
-        if q_proj is not None and q_proj.weight.shape[-2] // n % step:
+        if _o_in(layer.self_attn) // n % step:
             return False  # o_proj's equal input shares would cut a group or a word
         mlp = _mlp_of(layer)
         blocks = [getattr(mlp, "switch_mlp", None) or getattr(mlp, "experts", None) or mlp]

@@ -38,9 +38,11 @@ class Weights:
         group = q.get("group_size", 64)
         if in_ % group:
             return round(out * in_ * self.dtype_bytes)
-        # affine stores a scale and a bias per group; mxfp4/nvfp4/mxfp8 one 8-bit scale.
+        # affine stores a scale and a bias per group; mxfp4/nvfp4/mxfp8 one 8-bit scale
+        # (and nvfp4 experts may keep one float32 tensor scale each).
         per_group = 2 * self.dtype_bytes if q.get("mode", "affine") == "affine" else 1
-        return round(out * in_ * q["bits"] / 8 + out * in_ // group * per_group)
+        tensor_scale = 4 if q.get("global_scale") else 0
+        return round(out * in_ * q["bits"] / 8 + out * in_ // group * per_group) + tensor_scale
 
     def vector(self, n: int) -> int:
         return round(n * self.dtype_bytes)
