@@ -80,7 +80,11 @@ def test_simulate_suffix_prices_what_the_converter_writes(fmt, converted):
     config, dtype = quantized(plain, fmt)
     assert dtype == 2.0  # published checkpoints keep bfloat16 scales; these are float32
     estimate = model_spec_from_config(config, dtype_bytes=4.0)
-    assert estimate.total_bytes == model_spec(converted["llama", fmt]).total_bytes
+    measured = model_spec(converted["llama", fmt])
+    assert estimate.total_bytes == measured.total_bytes
+    # Each layer's bytes, so the bytes a decode token reads are the format's too.
+    assert estimate.bytes_per_layer == measured.bytes_per_layer
+    assert estimate.active_bytes_per_token == measured.active_bytes_per_token
 
 
 def test_mixed_recipe_puts_high_bits_where_mlx_lm_does(converted):
