@@ -97,7 +97,7 @@ def split_heads(n_heads: int, n_kv: int, weights: list[float], unit: int = 1) ->
 def _unit_error(n: int, n_heads: int, unit: int) -> ShardingError:
     return ShardingError(
         f"tp={n} cannot give each rank whole runs of {unit} of the {n_heads} query heads "
-        "(the quantized o_proj is cut only on whole groups and packed words)"
+        "(a quantized o_proj is cut only on whole groups and packed words)"
     )
 
 
@@ -360,13 +360,16 @@ def _shares(model: nn.Module, n: int, weights: list[float]) -> list[HeadShare]:
     unit = _head_unit(model)
     try:
         return split_heads(heads, kv, weights, unit)
-    except ShardingError as e:
+    except ShardingError:
         if unit == 1:
             raise
         ok = [d for d in range(2, heads + 1) if _splits(model, d, heads, kv, unit)]
+        step, formats = head_step(model)
+        fix = f"use tp in {ok} (equal weights) or --parallel pp" if ok else "use --parallel pp"
         raise ShardingError(
-            f"{_family(model)} quantized as {head_step(model)[1]}: {e}; use tp in "
-            f"{ok or '(none)'} with these weights' shape, other --tp-weights, or --parallel pp"
+            f"{_family(model)} quantized as {formats}: tp={n} with weights {weights} cannot "
+            f"give each rank whole runs of {unit} of the {heads} query heads (o_proj is cut only "
+            f"on whole groups and packed words, every {step} inputs); {fix}"
         ) from None
 
 
