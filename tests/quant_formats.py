@@ -5,7 +5,7 @@ MLP widths multiples of 128, so every group size quantizes every projection), th
 conversion per format (convert()'s own steps): affine 2..8 bits at groups 32, 64 and 128, the
 microscaling formats (mxfp4, nvfp4, mxfp8), mlx-lm's mixed recipes (--quant-predicate
 mixed_2_6 ...) and a predicate with per-layer overrides (formats and widths mixed by module,
-one projection left in float), as gpt-oss-style checkpoints ship.
+a layer's up and down projections left in float), as gpt-oss-style checkpoints ship.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ after another.
 Reference: mlx-lm's own model on one rank in this process, full forward at every step (no KV
 cache). Expected: identical greedy tokens and fp32 logits within TOL (the quantized weights
 are the same on every layout; only the summation order of the split products differs, measured
-< 2e-5). A cell the layout cannot take must be refused by preflight (before any rank starts)
+< 1e-5). A cell the layout cannot take must be refused by preflight (before any rank starts)
 with one line naming the format, the layout and what works (REFUSED); every other cell runs.
 """
 
