@@ -19,8 +19,6 @@ from thunderpool.errors import ModelError
 ALIASES = {
     "num_experts": ("num_local_experts", "n_routed_experts"),
     "num_local_experts": ("num_experts", "n_routed_experts"),
-    "rms_norm_eps": ("layer_norm_epsilon", "layer_norm_eps"),
-    "max_position_embeddings": ("n_positions", "seq_length"),
 }
 
 
