@@ -84,7 +84,7 @@ def quantized(config: dict, quant: str) -> tuple[dict, float]:
         q = {"bits": _MX[quant][0], "group_size": _MX[quant][1], "mode": quant}
     elif quant.startswith("mixed"):
         if quant not in _RECIPES:
-            raise ThunderpoolError(f"unknown mixed recipe {quant!r}; use one of {_RECIPES}")
+            raise ThunderpoolError(f"unknown mixed recipe {quant!r}; use {', '.join(_RECIPES)}")
         low, high = int(m.group(3)), int(m.group(4))
         q = {"bits": low, "group_size": 64, "recipe": [low, high]}
     else:
