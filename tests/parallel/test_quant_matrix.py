@@ -105,13 +105,19 @@ def _layout(layout: str) -> tuple[int, Layout]:
 
 
 def _refusal(checkpoints, layout: str, fmt: str) -> str | None:
-    """preflight's refusal of a cell, or None where it may run."""
-    nodes, lay = _layout(layout)
-    try:
-        preflight(checkpoints[LAYOUTS[layout][0], fmt], nodes, lay)
-    except ShardingError as e:
-        return str(e)
-    return None
+    """preflight's refusal of a cell, or None where it may run (asked once per cell)."""
+    key = (str(checkpoints[LAYOUTS[layout][0], fmt]), layout)
+    if key not in _REFUSALS:
+        nodes, lay = _layout(layout)
+        try:
+            preflight(checkpoints[LAYOUTS[layout][0], fmt], nodes, lay)
+            _REFUSALS[key] = None
+        except ShardingError as e:
+            _REFUSALS[key] = str(e)
+    return _REFUSALS[key]
+
+
+_REFUSALS: dict[tuple[str, str], str | None] = {}
 
 
 @pytest.fixture(scope="module")
