@@ -36,10 +36,13 @@ def recorder(events: list):
     return lambda kind, **fields: events.append({"kind": kind, **fields})
 
 
-def main(spec_path: str, out_path: str) -> None:
+def main(spec_path: str, out_path: str, stage: str = "0") -> None:
     spec = json.loads(Path(spec_path).read_text())
     backend = spec.get("backend", "ring")
-    group = mx.distributed.init(backend=backend, strict=True) if spec["nodes"] > 1 else None
+    # Hybrid (spec["groups"]): this rank's stage is its own world, joined by hand-offs.
+    groups = spec.get("groups") or [spec["nodes"]]
+    world = groups[int(stage)]
+    group = mx.distributed.init(backend=backend, strict=True) if world > 1 else None
     group = group or mx.distributed.init()
     results: dict[str, list] = {}
     for item in spec["jobs"]:
@@ -50,23 +53,37 @@ def main(spec_path: str, out_path: str) -> None:
         else:
             job = RankJob.model_validate(item["job"])
             layout = Layout(
-                job.parallel, job.tp_weights, job.layer_split, job.expert_split, job.compile
+                job.parallel,
+                job.tp_weights,
+                job.layer_split,
+                job.expert_split,
+                job.compile,
+                groups=job.groups,
+                stage=int(stage),
+                handoff=tuple(spec.get("handoff", ())),
             )
             oneshot.run(job, group, layout, recorder(events), lambda fraction: None)
         gc.collect()  # the next job's shard replaces this one's
         mx.clear_cache()
-    rank = group.rank()
+    rank = sum(groups[: int(stage)]) + group.rank()  # the global rank
     Path(f"{out_path}.{rank}" if rank else out_path).write_text(json.dumps(results))
 
 
 def run_matrix(
-    jobs: list[dict], tmp: Path, nodes: int, timeout: float = 600, backend: str = "ring"
+    jobs: list[dict],
+    tmp: Path,
+    nodes: int,
+    timeout: float = 600,
+    backend: str = "ring",
+    groups: tuple[int, ...] | None = None,
 ) -> dict:
     """Runs `jobs` ({"id", "job": RankJob dict | "batch": batch spec}) on `nodes` ranks in one
-    launch (MLX ring on loopback, or "mpi": under mpirun); returns {id: [that job's events on
-    each rank]}."""
+    launch (MLX ring on loopback, or "mpi": under mpirun; hybrid `groups`: a ring world per
+    stage, joined by hand-offs); returns {id: [that job's events on each rank]}."""
     tmp.mkdir(parents=True, exist_ok=True)
     spec = {"nodes": nodes, "jobs": jobs}
+    if groups:
+        spec["groups"] = list(groups)
     launch = run_mpi_ranks if backend == "mpi" else run_ranks
     leader = launch(spec, tmp, timeout, nodes, script=__file__, env=fast_blas_env())
     ranks = [leader] + [json.loads((tmp / f"out.json.{r}").read_text()) for r in range(1, nodes)]
@@ -116,4 +133,4 @@ def trace_result(events: list[list[dict]], out) -> dict:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

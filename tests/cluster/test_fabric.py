@@ -131,32 +131,39 @@ def test_tp2_fetches_half_of_each_split_matrix_and_matches_one_rank(
     np.testing.assert_array_equal(np.load(tmp_path / "tp2.npz")["tokens"], ref["tokens"])
 
 
-def quantize(model: Path, out: Path, bits: int = 4, group_size: int = 32) -> Path:
-    """`model` quantized by mlx-lm (affine, every projection, embedding and head)."""
+def quantize(
+    model: Path, out: Path, bits: int = 4, group_size: int = 32, mode: str = "affine"
+) -> Path:
+    """`model` quantized by mlx-lm (every projection, embedding and head)."""
     from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
     if not (out / "config.json").is_file():
         weights, config = load_model(model)
-        weights, config = quantize_model(weights, config, group_size, bits)
+        weights, config = quantize_model(weights, config, group_size, bits, mode=mode)
         save_model(out, weights)
         save_config(config, out / "config.json")
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama-q4", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["llama-q4", "llama-q3", "llama-q6", "llama-mxfp4", "qwen3_moe"])
 def test_tp2_slices_quantized_and_expert_matrices_at_the_source(
     pair, tiny_models, tmp_path, kind, one_rank_trace
 ):
-    """Packed weights with their scales and biases (rows, or whole input groups) and each
-    expert's gate/up/down are cut at the source like parallel/tensor.py cuts them."""
+    """Packed weights with their scales and biases (rows, or whole input groups and words:
+    3- and 6-bit values straddle words) and each expert's gate/up/down are cut at the source
+    like parallel/tensor.py cuts them."""
     _, a, b, _ = pair
-    model = tiny_models[kind.removesuffix("-q4")]
-    if kind.endswith("-q4"):  # beside the others, so node b cannot see it either
-        model = quantize(model, model.parent / kind)
+    family, _, fmt = kind.partition("-")
+    model = tiny_models[family]
+    if fmt == "mxfp4":  # scales without biases, as gpt-oss ships
+        model = quantize(model, model.parent / kind, mode="mxfp4")
+    elif fmt:  # beside the others, so node b cannot see it either
+        model = quantize(model, model.parent / kind, bits=int(fmt[1:]))
     index = index_model(model)
     sliced = {p.name for p in rank_pieces(index, RankLayout(rank=1, world=2)) if p.axis is not None}
-    want = ("o_proj.scales", "down_proj.biases", "q_proj.weight", "lm_head.scales")
+    biases = "down_proj.scales" if fmt == "mxfp4" else "down_proj.biases"
+    want = ("o_proj.scales", biases, "q_proj.weight", "lm_head.scales")
     if kind == "qwen3_moe":
         want = ("experts.3.gate_proj.weight", "experts.0.down_proj.weight", "o_proj.weight")
     assert all(any(n.endswith(w) for n in sliced) for w in want), sorted(sliced)

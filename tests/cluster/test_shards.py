@@ -133,3 +133,45 @@ def test_tp_pieces_are_exactly_what_each_rank_keeps(tmp_path, quantized):
         for p in pieces:
             want = np.take(stored[p.name], range(p.a, p.b), axis=p.axis)
             np.testing.assert_array_equal(kept[p.name], want, err_msg=f"rank {r}: {p.key}")
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    ["q3g32", "q5g64", "q6g128", "q2g32", "mxfp4", "nvfp4", "mxfp8", "mixed_3_6", "overrides"],
+)
+def test_tp3_source_cuts_are_the_loaders_cuts_for_every_width(fmt, tmp_path):
+    """The fabric's pieces of a rank's split projections hold exactly the arrays the loader
+    keeps after tensor.shard (uneven TP3: 4 KV heads 2+1+1), packed words, scales and biases
+    alike, at every width; the ranks' pieces tile each tensor."""
+    from types import SimpleNamespace
+
+    from mlx.utils import tree_flatten
+    from quant_formats import make_base, make_quantized
+
+    from thunderpool.cluster.shards import RankLayout, rank_pieces
+    from thunderpool.engine.loader import build_lazy
+    from thunderpool.parallel import tensor
+
+    model_dir = make_quantized(make_base("llama", tmp_path / "base"), fmt, tmp_path / fmt)
+    index = index_model(model_dir)
+    stored = mx.load(str(model_dir / "model.safetensors"))
+    cut = {}
+    for rank in range(3):
+        model, _ = build_lazy(model_dir)
+        group = SimpleNamespace(size=lambda: 3, rank=lambda r=rank: r)  # shard reads only these
+        assert tensor.shard(model, group) == "uneven"
+        kept = {n.replace(".inner.", "."): v for n, v in tree_flatten(model.parameters())}
+        for p in rank_pieces(index, RankLayout(rank=rank, world=3)):
+            if p.axis is None or p.name not in kept or "layers." not in p.name:
+                continue
+            index_ = [slice(None)] * stored[p.name].ndim
+            index_[p.axis] = slice(p.a, p.b)
+            want = stored[p.name][tuple(index_)]
+            assert mx.array_equal(kept[p.name], want).item(), (rank, p)
+            cut.setdefault((p.name, p.axis), []).append((p.a, p.b))
+    assert any(n.endswith("o_proj.scales") for n, _ in cut), sorted(cut)
+    assert any(n.endswith("down_proj.weight") for n, _ in cut), sorted(cut)
+    for (name, axis), spans in cut.items():  # the three ranks' ranges tile the axis
+        ends = [a for a, _ in spans] + [stored[name].shape[axis]]
+        assert len(spans) == 3 and ends[0] == 0, (name, spans)
+        assert [b for _, b in spans] == ends[1:], (name, spans)

@@ -147,6 +147,7 @@ def test_simulate_cli_prints_plans_and_writes_the_same_numbers(tmp_path, capsys)
         (["--cluster", "2x m4-max-128", "--model", "qwen3-4b"], "but no link; append @"),
         (["--cluster", "m4-max-128", "--model", "gpt-9"], "no model 'gpt-9'"),
         (["--cluster", "m4-max-128", "--model", "qwen3-4b:q9"], "unknown quantization 'q9'"),
+        (["--cluster", "m4-max-128", "--model", "qwen3-4b:mixed_2_4"], "use mixed_2_6, mixed_3_4"),
         (["--cluster", "m4-pro-48", "--model", "glm-5:mxfp8"], "does not fit"),
         (["--cluster", "nothing.toml", "--model", "glm-5"], "nothing.toml does not exist"),
         (["--model", "glm-5"], "simulate needs --cluster and --model"),

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from thunderpool.errors import ModelError, ShardingError
 from thunderpool.parallel.experts import ExpertShare, routed_experts, split_experts
+from thunderpool.parallel.packing import Packing, from_config, head_unit
 from thunderpool.parallel.pipeline import split_layers
 from thunderpool.parallel.tensor import proportional_split, split_heads
 
@@ -312,10 +313,10 @@ def _tp_piece(name: str, index: ModelIndex, layout: RankLayout) -> Piece:
     if kind not in ("weight", "scales", "biases") or len(t.shape) < 2:
         return whole  # a column-split bias is added once, after the all_sum: whole
     if quant is not None:  # input groups: packed words of weight, groups of scales/biases
-        bits, gs = quant
-        if a % gs or b % gs:
+        if a % quant.step or b % quant.step:
             return whole
-        a, b = (a * bits // 32, b * bits // 32) if kind == "weight" else (a // gs, b // gs)
+        g = quant.group_size
+        a, b = (quant.words(a), quant.words(b)) if kind == "weight" else (a // g, b // g)
     return Piece(name=name, axis=len(t.shape) - 1, a=a, b=b)
 
 
@@ -345,7 +346,10 @@ def _split_features(
         heads = config["num_attention_heads"]
         kv = config.get("num_key_value_heads") or heads
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
-        share = split_heads(heads, kv, weights)[rank]
+        try:
+            share = split_heads(heads, kv, weights, _head_unit(index, head_dim))[rank]
+        except ShardingError:
+            return None  # the rank refuses this split itself, with its own message
         if proj in ("k_proj", "v_proj"):
             return (share.kv0 * head_dim, share.kv1 * head_dim), True
         return (share.q0 * head_dim, share.q1 * head_dim), _ATTENTION[proj]
@@ -367,7 +371,8 @@ def _split_features(
     quants = [_quantization(index, s) for s in siblings]
     if "unknown" in quants:
         return None
-    align = max((q[1] for q in quants if q), default=1)
+    down = quants[1]  # only the down projection is cut along its (packed) input
+    align = down.step if down else 1
     try:
         span = proportional_split(gate.shape[-2], weights, align)[rank]
     except ShardingError:
@@ -375,20 +380,32 @@ def _split_features(
     return span, _GLU[m["proj"]]
 
 
-def _quantization(index: ModelIndex, module: str) -> tuple[int, int] | str | None:
-    """(bits, group_size) of a quantized projection as config.json states it, None for a
-    plain one, "unknown" where the stored shapes do not match the config."""
+def _quantization(index: ModelIndex, module: str) -> Packing | str | None:
+    """How a projection is quantized as config.json states it (any width, affine or mx/nv),
+    None for a plain one, "unknown" where the stored shapes do not match the config."""
     if f"{module}.scales" not in index.tensors:
         return None
     q = index.config.get("quantization") or {}
-    q = q.get(module) if isinstance(q.get(module), dict) else q
-    bits, gs = q.get("bits"), q.get("group_size")
+    p = from_config(q.get(module) if isinstance(q.get(module), dict) else q)
     w, s = index.tensors.get(f"{module}.weight"), index.tensors[f"{module}.scales"]
-    if bits not in (2, 4, 8) or not gs or w is None or w.dtype != "U32":
+    if p is None or w is None or w.dtype != "U32" or not w.shape or not s.shape:
         return "unknown"
-    if w.shape[-1] * 32 // bits != s.shape[-1] * gs:
+    if w.shape[-1] * 32 % p.bits or w.shape[-1] * 32 // p.bits != s.shape[-1] * p.group_size:
         return "unknown"
-    return bits, gs
+    if p.has_biases != (f"{module}.biases" in index.tensors):
+        return "unknown"
+    return p
+
+
+def _head_unit(index: ModelIndex, head_dim: int) -> int:
+    """Whole query heads per cut, as parallel/tensor.py computes it from the loaded o_projs."""
+    steps = []
+    for name in index.tensors:
+        if name.endswith(".self_attn.o_proj.scales"):
+            p = _quantization(index, name.removesuffix(".scales"))
+            if isinstance(p, Packing):
+                steps.append(p.step)
+    return head_unit(head_dim, steps)
 
 
 def _splits_embedding() -> bool:

@@ -224,13 +224,21 @@ class FusedForward:
     def layers_forward(self, h: mx.array, caches: list) -> mx.array:
         """h (B, 1, D) through the fused layers (a PP stage's own), one cache each."""
         first = caches[0]
-        tables = {}  # (heads, kv heads) -> rotation tables, shared by layers alike
-        mask = self._mask(first.keys.shape[2], first.idx, first.left, h.dtype)
+        # The tables and the mask take the dtype of the products they meet (q, k, scores),
+        # not h's: an mx/nv-quantized embedding gives bfloat16 rows to a float32 model.
+        tables = {}  # (heads, kv heads, dtype) -> rotation tables, shared by layers alike
+        masks = {}  # dtype -> mask
+
+        def rotation(n_heads: int, n_kv: int, dtype):
+            if (key := (n_heads, n_kv, dtype)) not in tables:
+                tables[key] = self._tables(first.offset, n_heads, n_kv, dtype)
+                masks.setdefault(
+                    dtype, self._mask(first.keys.shape[2], first.idx, first.left, dtype)
+                )
+            return masks[dtype], *tables[key]
+
         for layer, cache in zip(self.layers, caches, strict=True):
-            key = (layer.n_heads, layer.n_kv)
-            if key not in tables:
-                tables[key] = self._tables(first.offset, *key, h.dtype)
-            h = self._layer(h, layer, cache, mask, *tables[key])
+            h = self._layer(h, layer, cache, rotation)
         return h
 
     def _mask(self, capacity: int, idx: mx.array, left: mx.array, dtype) -> mx.array:
@@ -254,11 +262,12 @@ class FusedForward:
         sin_t = mx.concatenate([rep(s * scale, n_heads), rep(s, n_kv), zero], axis=1)
         return cos_t.astype(dtype), sin_t.astype(dtype)
 
-    def _layer(self, h, layer: Layer, cache, mask, cos_t, sin_t) -> mx.array:
+    def _layer(self, h, layer: Layer, cache, rotation) -> mx.array:
         m, attn = layer.module, layer.module.self_attn
         B, H, K, d = h.shape[0], layer.n_heads, layer.n_kv, self.head_dim
         x = m.input_layernorm(h)
         qkv = layer.qkv(x).reshape(B, H + 2 * K, d)
+        mask, cos_t, sin_t = rotation(H, K, qkv.dtype)
         if hasattr(attn, "q_norm"):  # qwen3: per-head RMS norms of q and k before RoPE
             q = attn.q_norm(qkv[:, :H])
             k = attn.k_norm(qkv[:, H : H + K])

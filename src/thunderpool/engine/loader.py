@@ -24,7 +24,9 @@ from mlx_lm.utils import _get_classes, load_config, load_model
 from thunderpool.engine.compiled import wanted
 from thunderpool.engine.runner import Runner
 from thunderpool.errors import ModelError
+from thunderpool.models import published
 from thunderpool.parallel import experts, tensor, vocab
+from thunderpool.parallel.packing import config_head_unit
 from thunderpool.parallel.pipeline import PipelineStage, split_layers
 from thunderpool.parallel.stored_rows import StoredRows
 
@@ -121,12 +123,17 @@ def check_safetensors(path: Path) -> None:
 
 
 def read_config(model_dir: Path) -> dict:
+    """config.json (with generation_config's eos), plus the fields mlx-lm reads under older
+    names than current transformers writes (models/published.py)."""
     if not (model_dir / "config.json").is_file():
         raise ModelError(f"{model_dir} has no config.json; pass an MLX/HF model directory")
     try:
-        return load_config(model_dir)
+        config = load_config(model_dir)
     except json.JSONDecodeError as e:
         raise ModelError(f"{model_dir / 'config.json'} is not valid JSON: {e}") from e
+    if (fields := published.model_fields(config)) is not None:
+        config |= published.normalised(config, fields, str(model_dir / "config.json"))
+    return config
 
 
 # Written last by cluster/transfer.py into a shard fetched over the fabric: the shard holds
@@ -147,8 +154,15 @@ def build_lazy(model_dir: Path) -> tuple[nn.Module, dict]:
         if manifest.is_file():
             slices = json.loads(manifest.read_text()).get("slices", {})
             classes = _without_mtp(_padding(slices, model_dir))
-            return load_model(model_dir, lazy=True, strict=False, get_model_classes=classes)
-        return load_model(model_dir, lazy=True, strict=True, get_model_classes=_without_mtp())
+            return load_model(
+                model_dir, lazy=True, strict=False, model_config=config, get_model_classes=classes
+            )
+        classes = _without_mtp()
+        return load_model(
+            model_dir, lazy=True, strict=True, model_config=config, get_model_classes=classes
+        )
+    except TypeError as e:  # a ModelArgs field config.json lacks under any name we know
+        raise ModelError(f"cannot build the model in {model_dir} from its config.json: {e}") from e
     except ValueError as e:
         if "not supported" in str(e):
             raise ModelError(
@@ -340,7 +354,8 @@ def describe_layout(config: dict, layout: Layout, world: int) -> dict:
         return {"parallel": "pp", "ranks": ranks}
     heads = config.get("num_attention_heads", 0)
     kv = config.get("num_key_value_heads") or heads
-    shares = tensor.split_heads(heads, kv, list(layout.tp_weights or [1.0] * world))
+    weights = list(layout.tp_weights or [1.0] * world)
+    shares = tensor.split_heads(heads, kv, weights, config_head_unit(config))
     ranks = [
         {"rank": r, "layers": [0, n_layers], "heads": {"q": [s.q0, s.q1], "kv": [s.kv0, s.kv1]}}
         for r, s in enumerate(shares)

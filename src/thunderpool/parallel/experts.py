@@ -27,7 +27,8 @@ from thunderpool.parallel.vocab import RowReader
 
 # Where MoE blocks keep their stacked experts: qwen/deepseek/glm/mixtral, gpt-oss.
 EXPERT_NAMES = ("switch_mlp", "experts")
-_TENSORS = ("weight", "scales", "biases", "bias")
+# global_scale: nvfp4's one tensor scale per expert (mlx-lm's quantize_model global_scale).
+_TENSORS = ("weight", "scales", "biases", "bias", "global_scale")
 # config.json's routed-expert count, by family (deepseek/glm, qwen, mixtral/gpt-oss).
 _EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 
@@ -272,7 +273,7 @@ def check(
     cannot be split as TP over n ranks, the experts not as asked, or a (layer, expert, rank)
     replica names no MoE layer, expert or rank."""
     weights = list(weights or [1.0] * n)
-    tensor.check(model, n, weights)
+    tensor.check(model, n, weights, routed=False)
     shares = split_experts(n_experts(model), weights, counts)
     moe = {i for i, layer in enumerate(model.layers) if moe_experts(layer) is not None}
     for layer, e, r in replicas or ():
@@ -308,8 +309,9 @@ def shard(
     n, rank = group.size(), group.rank()
     shares = check(model, n, weights, counts, replicas)
     saved = originals(model)
-    # TP also slices the experts' channels (lazily); those slices are dropped unread below.
-    tensor.shard(model, group, weights)
+    # TP splits the rest; mlx-lm's even shard() also slices the experts' channels (lazily):
+    # those slices are dropped unread below.
+    tensor.shard(model, group, weights, routed=False)
     shard_experts(model, shares[rank], saved, skip, read, shares, rank, by_layer(replicas))
     return shares[rank]
 

@@ -18,6 +18,7 @@ import mlx.nn as nn
 from thunderpool.errors import ShardingError
 from thunderpool.parallel import tensor, vocab
 from thunderpool.parallel.handoff import HandoffError, Link, Topology, check_groups
+from thunderpool.parallel.packing import config_head_unit
 from thunderpool.parallel.pipeline import PipelineStage, split_layers
 from thunderpool.parallel.vocab import RowReader
 
@@ -117,7 +118,7 @@ def describe(config: dict, layout) -> dict:
     ranks = []
     for s, n in enumerate(groups):
         weights = group_weights(groups, s, layout.tp_weights) or [1.0] * n
-        for r, share in enumerate(tensor.split_heads(heads, kv, weights)):
+        for r, share in enumerate(tensor.split_heads(heads, kv, weights, config_head_unit(config))):
             ranks.append(
                 {
                     "rank": len(ranks),

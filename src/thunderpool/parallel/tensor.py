@@ -12,11 +12,14 @@ with a message naming the family, the layout and what works (tests/parallel/test
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import gcd, lcm
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from thunderpool.errors import ShardingError
+from thunderpool.parallel.packing import head_unit
+from thunderpool.parallel.slicing import packing_of, slice_cols, slice_rows, step_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +58,13 @@ def proportional_split(total: int, weights: list[float], align: int = 1) -> list
     return bounds
 
 
-def split_heads(n_heads: int, n_kv: int, weights: list[float]) -> list[HeadShare]:
+def split_heads(n_heads: int, n_kv: int, weights: list[float], unit: int = 1) -> list[HeadShare]:
     """Assign query heads to ranks so that each rank holds whole GQA groups or part of one.
 
     With fewer ranks than KV heads, ranks get whole groups; with more, each rank gets part of
-    one group and that KV head is replicated on the ranks sharing it.
+    one group and that KV head is replicated on the ranks sharing it. Shares start on
+    multiples of `unit` query heads (a quantized o_proj is cut on whole groups and words only):
+    an uneven share moves to the nearest such boundary, or the split is refused.
     """
     n = len(weights)
     if n_heads % n_kv:
@@ -71,16 +76,29 @@ def split_heads(n_heads: int, n_kv: int, weights: list[float]) -> list[HeadShare
         )
     group = n_heads // n_kv
     if n <= n_kv:
-        return [HeadShare(a * group, b * group, a, b) for a, b in proportional_split(n_kv, weights)]
+        kv_unit = unit // gcd(unit, group)  # KV groups per cut
+        if n_kv % kv_unit or n > n_kv // kv_unit:
+            raise _unit_error(n, n_heads, unit)
+        bounds = proportional_split(n_kv, weights, kv_unit)
+        return [HeadShare(a * group, b * group, a, b) for a, b in bounds]
     # Ranks per KV group, then each group's query heads split among its ranks.
     per_group = [len(r) for r in _chunks(list(range(n)), n_kv)]
+    if group % unit or max(per_group) > group // unit:
+        raise _unit_error(n, n_heads, unit)
     shares, rank = [], 0
     for kv, count in enumerate(per_group):
         ranks_w = weights[rank : rank + count]
-        for a, b in proportional_split(group, ranks_w):
+        for a, b in proportional_split(group, ranks_w, unit):
             shares.append(HeadShare(kv * group + a, kv * group + b, kv, kv + 1))
         rank += count
     return shares
+
+
+def _unit_error(n: int, n_heads: int, unit: int) -> ShardingError:
+    return ShardingError(
+        f"tp={n} cannot give each rank whole runs of {unit} of the {n_heads} query heads "
+        "(a quantized o_proj is cut only on whole groups and packed words)"
+    )
 
 
 def _chunks(items: list, k: int) -> list[list]:
@@ -109,50 +127,35 @@ class SumAfter(nn.Module):
         return y + self.bias if "bias" in self else y
 
 
-def _quant(module: nn.Module) -> tuple[int, int] | None:
-    """(bits, group_size) of a quantized projection, or None for a plain one."""
-    if "scales" in module:
-        return module.bits, module.group_size
-    return None
+def head_step(model: nn.Module) -> tuple[int, str]:
+    """Input features per allowed cut of every layer's o_proj (1: plain), and the formats
+    that ask for it, for messages."""
+    steps, names = [1], []
+    for layer in model.layers:
+        o = getattr(getattr(layer, "self_attn", None), "o_proj", None)
+        if o is not None and (p := packing_of(o)) is not None:
+            steps.append(p.step)
+            names.append(str(p))
+    return lcm(*steps), ", ".join(dict.fromkeys(names))
 
 
-def slice_rows(module: nn.Module, a: int, b: int) -> None:
-    """Keep output features [a, b) of a (possibly quantized, possibly per-expert) projection."""
-    for name in ("weight", "scales", "biases", "bias"):
-        if name in module:
-            w = module[name]
-            axis = w.ndim - 1 if name == "bias" else w.ndim - 2
-            module[name] = mx.contiguous(_take(w, axis, a, b))
+def _o_in(attn: nn.Module) -> int:
+    """Input features of the attention's o_proj (heads x the width of each head's output)."""
+    o = getattr(attn, "o_proj", None)
+    if o is None or "weight" not in o:
+        return 0
+    p = packing_of(o)
+    cols = o.weight.shape[-1]
+    return cols * 32 // p.bits if p is not None else cols
 
 
-def slice_cols(module: nn.Module, a: int, b: int) -> None:
-    """Keep input features [a, b) of a (possibly quantized, possibly per-expert) projection."""
-    q = _quant(module)
-    if q is None:
-        module["weight"] = mx.contiguous(_take(module["weight"], -1, a, b))
-        return
-    bits, gs = q
-    if a % gs or b % gs:
-        raise ShardingError(
-            f"cannot slice input features [{a}, {b}) of a {bits}-bit projection with group "
-            f"size {gs}; use an even split or a non-quantized model"
-        )
-    per_word = 32 // bits
-    module["weight"] = mx.contiguous(_take(module["weight"], -1, a // per_word, b // per_word))
-    for name in ("scales", "biases"):
-        module[name] = mx.contiguous(_take(module[name], -1, a // gs, b // gs))
-
-
-def _take(w: mx.array, axis: int, a: int, b: int) -> mx.array:
-    index = [slice(None)] * w.ndim
-    index[axis] = slice(a, b)
-    return w[tuple(index)]
-
-
-def _align(*modules: nn.Module) -> int:
-    """Channel step that keeps quantization groups whole."""
-    steps = [q[1] for m in modules if (q := _quant(m))]
-    return max(steps, default=1)
+def _head_unit(model: nn.Module) -> int:
+    """Whole query heads per cut, so that o_proj is cut on its quantization boundaries."""
+    attn = model.layers[0].self_attn
+    heads, o_in = _heads(attn)[0], _o_in(attn)
+    if not heads or not o_in:
+        return 1
+    return head_unit(o_in // heads, [head_step(model)[0]])
 
 
 # How families name their head counts: llama/qwen/gemma, mixtral, gpt-oss.
@@ -186,15 +189,17 @@ def shard_attention(attn: nn.Module, share: HeadShare, group: mx.distributed.Gro
     setattr(attn, kv_name, share.kv1 - share.kv0)
 
 
-def shard_mlp(mlp: nn.Module, weights: list[float], rank: int, group) -> None:
-    """Split a dense SwiGLU MLP or a SwitchGLU MoE along its intermediate channels."""
+def shard_mlp(mlp: nn.Module, weights: list[float], rank: int, group, routed: bool = True) -> None:
+    """Split a dense SwiGLU MLP or a SwitchGLU MoE along its intermediate channels (not the
+    routed experts' where `routed` is False: expert parallelism gives them whole)."""
     if hasattr(mlp, "switch_mlp"):
         if not hasattr(mlp, "sharding_group"):
             raise ShardingError(
                 f"MoE block {type(mlp).__name__} cannot all_sum its experts; use --parallel pp"
             )
         experts = mlp.switch_mlp
-        _shard_glu(experts.gate_proj, experts.up_proj, experts.down_proj, weights, rank)
+        if routed:
+            _shard_glu(experts.gate_proj, experts.up_proj, experts.down_proj, weights, rank)
         # Shared experts add into the routed output before the block's all_sum: split them too.
         for name in ("shared_experts", "shared_expert"):
             if hasattr(mlp, name):
@@ -213,11 +218,38 @@ def shard_mlp(mlp: nn.Module, weights: list[float], rank: int, group) -> None:
 
 
 def _shard_glu(gate, up, down, weights: list[float], rank: int) -> None:
-    hidden = gate.weight.shape[-2]
-    a, b = proportional_split(hidden, weights, _align(gate, up, down))[rank]
+    a, b = glu_split(gate, down, weights)[rank]
     slice_rows(gate, a, b)
     slice_rows(up, a, b)
     slice_cols(down, a, b)
+
+
+def glu_split(
+    gate: nn.Module, down: nn.Module, weights: list[float], experts: bool = False
+) -> list[tuple[int, int]]:
+    """Each rank's channels of a gated MLP: gate/up keep rows (any cut), down_proj keeps
+    input columns, cut only on its quantization step (parallel/packing.py)."""
+    channels, step = gate.weight.shape[-2], step_of(down)
+    try:
+        return proportional_split(channels, weights, step)
+    except ShardingError:
+        what = "routed experts'" if experts else "MLP's"
+        ep = ", --parallel ep (whole experts)" if experts else ""
+        raise ShardingError(
+            f"tp={len(weights)} with weights {weights} cannot split the {what} {channels} "
+            f"channels on the boundaries of their {packing_of(down)} down_proj (every {step}); "
+            f"use tp of at most {channels // step} in equal shares{ep} or --parallel pp"
+        ) from None
+
+
+def _glus(layer: nn.Module, routed: bool = True) -> list[tuple[nn.Module, nn.Module, bool]]:
+    """(gate_proj, down_proj, are they routed experts) of each gated MLP TP splits in a
+    layer: dense, experts (where `routed`), shared."""
+    mlp = _mlp_of(layer)
+    switch = "switch_mlp" in mlp
+    blocks = [(getattr(mlp, "switch_mlp", mlp), switch)] if routed or not switch else []
+    blocks += [(getattr(mlp, s), False) for s in ("shared_experts", "shared_expert") if s in mlp]
+    return [(b.gate_proj, b.down_proj, e) for b, e in blocks if hasattr(b, "gate_proj")]
 
 
 def _mlp_of(layer: nn.Module) -> nn.Module:
@@ -282,22 +314,31 @@ def _even(model: nn.Module, n: int, weights: list[float]) -> bool:
     """True where mlx-lm's own shard() applies: equal shares that divide every split dimension."""
     if len(set(weights)) > 1 or not hasattr(model, "shard"):
         return False
+    if any("global_scale" in m for _, m in model.named_modules()):
+        return False  # mlx's shard_linear would split nvfp4's per-expert scales as channels
+    step = head_step(model)[0]
     for layer in model.layers:
         heads, kv = _heads(layer.self_attn)
         if not heads or heads % n or kv % n:
             return False
+        if _o_in(layer.self_attn) // n % step:
+            return False  # o_proj's equal input shares would cut a group or a word
         mlp = _mlp_of(layer)
         blocks = [getattr(mlp, "switch_mlp", None) or getattr(mlp, "experts", None) or mlp]
         blocks += [getattr(mlp, s) for s in ("shared_experts", "shared_expert") if s in mlp]
         for block in blocks:
             gate = getattr(block, "gate_proj", None)
-            if gate is None or gate.weight.shape[-2] % (n * _align(gate)):
+            down = getattr(block, "down_proj", None)
+            if gate is None or gate.weight.shape[-2] % (n * step_of(gate, down or gate)):
                 return False
     return True
 
 
-def check(model: nn.Module, n: int, weights: list[float] | None = None) -> None:
-    """Raise ShardingError if `model` cannot be split over n ranks with these weights."""
+def check(
+    model: nn.Module, n: int, weights: list[float] | None = None, routed: bool = True
+) -> None:
+    """Raise ShardingError if `model` cannot be split over n ranks with these weights (its
+    routed experts' channels too, unless `routed` is False: EP keeps them whole)."""
     weights = list(weights or [1.0] * n)
     if len(weights) != n:
         raise ShardingError(f"--tp-weights has {len(weights)} parts for {n} ranks")
@@ -307,29 +348,68 @@ def check(model: nn.Module, n: int, weights: list[float] | None = None) -> None:
         raise ShardingError(why)
     if _even(model, n, weights):
         return
-    split_heads(*_heads(model.layers[0].self_attn), weights)
+    _shares(model, n, weights)
+    for layer in model.layers:
+        for gate, down, experts in _glus(layer, routed):
+            glu_split(gate, down, weights, experts)
 
 
-def shard(model: nn.Module, group: mx.distributed.Group, weights: list[float] | None = None) -> str:
-    """Shard `model` in place for this rank of `group`; returns which method was used."""
+def _shares(model: nn.Module, n: int, weights: list[float]) -> list[HeadShare]:
+    """Each rank's heads on our uneven path, or a one-line refusal naming the format."""
+    heads, kv = _heads(model.layers[0].self_attn)
+    unit = _head_unit(model)
+    try:
+        return split_heads(heads, kv, weights, unit)
+    except ShardingError:
+        if unit == 1:
+            raise
+        ok = [d for d in range(2, heads + 1) if _splits(model, d, heads, kv, unit)]
+        step, formats = head_step(model)
+        fix = f"use tp in {ok} (equal weights) or --parallel pp" if ok else "use --parallel pp"
+        raise ShardingError(
+            f"{_family(model)} quantized as {formats}: tp={n} with weights {weights} cannot "
+            f"give each rank whole runs of {unit} of the {heads} query heads (o_proj is cut only "
+            f"on whole groups and packed words, every {step} inputs); {fix}"
+        ) from None
+
+
+def _splits(model: nn.Module, n: int, heads: int, kv: int, unit: int) -> bool:
+    if _even(model, n, [1.0] * n):
+        return True
+    try:
+        split_heads(heads, kv, [1.0] * n, unit)
+    except ShardingError:
+        return False
+    return True
+
+
+def shard(
+    model: nn.Module,
+    group: mx.distributed.Group,
+    weights: list[float] | None = None,
+    routed: bool = True,
+) -> str:
+    """Shard `model` in place for this rank of `group`; returns which method was used.
+    `routed` False leaves the routed experts' channels whole (expert parallelism)."""
     n, rank = group.size(), group.rank()
     weights = list(weights or [1.0] * n)
-    check(model, n, weights)
+    check(model, n, weights, routed)
     if n == 1:
         return "none"
     if _even(model, n, weights):
         model.shard(group)
         return "mlx-lm"
-    shares = split_heads(*_heads(model.layers[0].self_attn), weights)
+    shares = _shares(model, n, weights)
     for layer in model.layers:
         shard_attention(layer.self_attn, shares[rank], group)
         if "mlp" in layer:
-            shard_mlp(layer.mlp, weights, rank, group)
+            shard_mlp(layer.mlp, weights, rank, group, routed)
         else:
             # A MoE block that cannot all_sum itself (Mixtral): split its experts' channels
             # and sum the whole block's partial output.
             moe = layer.block_sparse_moe
             experts = moe.switch_mlp
-            _shard_glu(experts.gate_proj, experts.up_proj, experts.down_proj, weights, rank)
+            if routed:
+                _shard_glu(experts.gate_proj, experts.up_proj, experts.down_proj, weights, rank)
             layer.block_sparse_moe = SumAfter(moe, group)
     return "uneven"

@@ -184,7 +184,7 @@ def shares(spec: ModelSpec, stage: Stage) -> list[Share]:
     if len(stage.nodes) == 1:
         return [Share(stage.nodes[0], 1.0, 1.0, 1.0)]
     weights = list(stage.tp_weights)
-    heads = split_heads(spec.heads, spec.kv_heads, weights)
+    heads = split_heads(spec.heads, spec.kv_heads, weights, spec.head_unit)
     total = sum(weights)
     return [
         Share(node, (h.q1 - h.q0) / spec.heads, (h.kv1 - h.kv0) / spec.kv_heads, w / total)

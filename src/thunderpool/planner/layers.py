@@ -8,7 +8,10 @@ model.safetensors.index.json (https://huggingface.co/deepseek-ai/DeepSeek-V4-Fla
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
+
+from thunderpool.parallel.packing import from_config
 
 # Modules an HF fp8 checkpoint (DeepSeek's) keeps in bf16: embedding, output head, router.
 _HF_FP8_PLAIN = ("embed_tokens", "lm_head", ".mlp.gate")
@@ -35,9 +38,11 @@ class Weights:
         group = q.get("group_size", 64)
         if in_ % group:
             return round(out * in_ * self.dtype_bytes)
-        # affine stores a scale and a bias per group; mxfp4/nvfp4/mxfp8 one 8-bit scale.
+        # affine stores a scale and a bias per group; mxfp4/nvfp4/mxfp8 one 8-bit scale
+        # (and nvfp4 experts may keep one float32 tensor scale each).
         per_group = 2 * self.dtype_bytes if q.get("mode", "affine") == "affine" else 1
-        return round(out * in_ * q["bits"] / 8 + out * in_ // group * per_group)
+        tensor_scale = 4 if q.get("global_scale") else 0
+        return round(out * in_ * q["bits"] / 8 + out * in_ // group * per_group) + tensor_scale
 
     def vector(self, n: int) -> int:
         return round(n * self.dtype_bytes)
@@ -49,8 +54,28 @@ class Weights:
             return self.experts
         q = self.quantization
         if q and isinstance(q.get(path), dict):
-            q = {**q, **q[path]}
+            # A module's own entry stands alone: mlx's to_quantized reads a missing mode as
+            # affine (mlx-lm's qwen3_moe router: {"group_size": 64, "bits": 8} in an mxfp4
+            # model), missing bits and group as that mode's defaults.
+            p = from_config(q[path])
+            q = {**q[path], "bits": p.bits, "group_size": p.group_size, "mode": p.mode}
+        elif q and q.get("recipe"):
+            q = {**q, "bits": mixed_bits(path, q["recipe"], q["layers"])}
         return q
+
+
+def mixed_bits(path: str, recipe: tuple[int, int], n_layers: int) -> int:
+    """The width mlx-lm's mixed recipe (mlx_lm.convert.mixed_quant_predicate_builder) gives
+    the module at `path`: the high width for the head, and for v and down projections in the
+    first and last eighth of the layers and every third layer between; the low one elsewhere."""
+    low, high = recipe
+    if "lm_head" in path:
+        return high
+    m = re.search(r"layers\.(\d+)\.", path)
+    i = int(m.group(1)) if m else 0
+    more = i < n_layers // 8 or i >= 7 * n_layers // 8 or (i - n_layers // 8) % 3 == 2
+    v = any(k in path for k in ("v_proj", "v_a_proj", "v_b_proj"))
+    return high if more and (v or "down_proj" in path) else low
 
 
 def weights_for(config: dict, dtype_bytes: float) -> Weights:
@@ -60,7 +85,10 @@ def weights_for(config: dict, dtype_bytes: float) -> Weights:
     ue8m0 scale per 32 values); their embedding, head and router stay bf16.
     """
     if isinstance(config.get("quantization"), dict):
-        return Weights(dtype_bytes, config["quantization"])
+        q = config["quantization"]
+        if q.get("recipe"):  # simulate's mixed_L_H: the recipe needs the layer count
+            q = {**q, "layers": config["num_hidden_layers"]}
+        return Weights(dtype_bytes, q)
     hf = config.get("quantization_config") or {}
     if hf.get("quant_method") == "fp8":
         main = {"bits": 8, "block": list(hf.get("weight_block_size") or (128, 128))}
@@ -228,7 +256,9 @@ def moe(config: dict, w: Weights, at: str, family: str, layer: int) -> tuple[Par
 
 def experts_of(config: dict) -> tuple[int, int]:
     """(routed experts per MoE layer, experts per token); (0, 0) for a dense model."""
-    n = config.get("num_experts") or config.get("n_routed_experts") or 0
+    # num_local_experts: what transformers 5 writes for Qwen MoE (and Mixtral always did).
+    n = config.get("num_experts") or config.get("n_routed_experts")
+    n = n or config.get("num_local_experts") or 0
     return (n, config.get("num_experts_per_tok", 1)) if n else (0, 0)
 
 

@@ -24,7 +24,12 @@ from thunderpool.planner.placement import Plan, explain, place
 from thunderpool.planner.presets import GB, Cluster, parse_cluster, presets
 from thunderpool.planner.spec import ModelSpec, model_spec, model_spec_from_config
 
-QUANT = re.compile(r"^(?:q([2-8])(?:g(32|64|128))?|mxfp4|mxfp8|bf16|fp16|fp32)$")
+QUANT = re.compile(
+    r"^(?:q([2-8])(?:g(32|64|128))?|mxfp4|nvfp4|mxfp8|mixed_([2-4])_([46])|bf16|fp16|fp32)$"
+)
+# The microscaling formats' (bits, group): mlx_lm.convert --q-mode's defaults.
+_MX = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
+_RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
 _DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}
 
 
@@ -66,16 +71,22 @@ def quantized(config: dict, quant: str) -> tuple[dict, float]:
     m = QUANT.match(quant.lower())
     if not m:
         raise ThunderpoolError(
-            f"unknown quantization {quant!r}; use q2..q8 (affine, group 64), q4g32 (group 32), "
-            "mxfp4, mxfp8, bf16, fp16 or fp32"
+            f"unknown quantization {quant!r}; use q2..q8 (affine, group 64), q4g32 (q2..q8 at "
+            f"group 32, 64 or 128), mxfp4, nvfp4, mxfp8, {', '.join(_RECIPES)} (mlx-lm's "
+            "mixed recipes), bf16, fp16 or fp32"
         )
     plain = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     plain.pop("expert_dtype", None)
     quant = quant.lower()
     if quant in ("bf16", "fp16", "fp32"):
         return plain, 4.0 if quant == "fp32" else 2.0
-    if quant.startswith("mx"):
-        q = {"bits": 4 if quant == "mxfp4" else 8, "group_size": 32, "mode": quant}
+    if quant in _MX:
+        q = {"bits": _MX[quant][0], "group_size": _MX[quant][1], "mode": quant}
+    elif quant.startswith("mixed"):
+        if quant not in _RECIPES:
+            raise ThunderpoolError(f"unknown mixed recipe {quant!r}; use {', '.join(_RECIPES)}")
+        low, high = int(m.group(3)), int(m.group(4))
+        q = {"bits": low, "group_size": 64, "recipe": [low, high]}
     else:
         q = {"bits": int(m.group(1)), "group_size": int(m.group(2) or 64)}
     return {**plain, "quantization": q}, 2.0

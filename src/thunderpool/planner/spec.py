@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from thunderpool.errors import ModelError
+from thunderpool.parallel.packing import config_head_unit
 from thunderpool.planner import dispatch
 from thunderpool.planner.layers import (
     Part,
@@ -104,6 +105,9 @@ class ModelSpec:
     sliding_window: int = 0  # deepseek_v4: tokens every layer attends to uncompressed
     compress_ratios: tuple[int, ...] = ()  # deepseek_v4: one cached entry per `ratio` tokens
     index_topk: int = 0  # deepseek_v4: compressed entries a CSA (ratio 4) layer attends to
+    # Query heads per TP cut: a quantized o_proj is cut on whole groups and packed words only
+    # (parallel/packing.py), so uneven head shares move to multiples of this.
+    head_unit: int = 1
 
     @property
     def total_bytes(self) -> int:
@@ -357,6 +361,7 @@ def model_spec_from_config(
         sliding_window=(config.get("sliding_window") or 0) if family == "v4" else 0,
         compress_ratios=ratios,
         index_topk=config.get("index_topk", 0) if family == "v4" else 0,
+        head_unit=config_head_unit(config) if family not in ("mla", "v4") else 1,
     )
 
 
