@@ -183,7 +183,15 @@ class FakeCoordinator:
     token = "t"
 
     def __init__(self, names):
-        node = {n: SimpleNamespace(name=f"host-{n}") for n in names}
+        node = {
+            n: SimpleNamespace(
+                name=f"host-{n}",
+                memory_budget="",
+                memory_available_bytes=30e9,
+                memory_total_bytes=32e9,
+            )
+            for n in names
+        }
         self.state = SimpleNamespace(nodes=node, unprobed_pairs=lambda: [])
 
     def discover(self):
