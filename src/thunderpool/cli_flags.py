@@ -211,5 +211,6 @@ def add_backend(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="collectives between local ranks: MPI shared memory under Open MPI's mpirun "
         "(faster on one host) or MLX ring over loopback; auto (default) takes mpi when "
-        "Open MPI is installed, else ring (--cluster picks per link)",
+        "Open MPI is installed, else ring (serve: ring where its ranks fill every core, as "
+        "waiting MPI ranks spin and starve the API's streaming; --cluster picks per link)",
     )

@@ -81,10 +81,25 @@ def mpi_command(
 LOCAL_BACKENDS = {"ring": "MLX ring on loopback", "mpi": "MPI shared memory under mpirun"}
 
 
-def resolve_backend(args, world_size: int) -> str:
+# Why `serve` takes ring on a machine its ranks fill (the first line of its output says it).
+SERVE_RING_REASON = (
+    "every core runs a rank, and MPI ranks spin while they wait, starving the API's "
+    "streaming of CPU; ring's ranks block instead (--backend mpi overrides)"
+)
+
+
+def cores_here() -> int:
+    """Every core this process may run on (the gateway may use any of them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def resolve_backend(args, world_size: int, serving: bool = False) -> str:
     """The collective backend for local ranks: "auto" takes MPI's shared memory when Open MPI
-    is installed (it wins on one host, docs/benchmarks.md), else MLX ring. An explicit mpi is
-    refused with --cluster (the planner picks jaccl or ring per link) or without Open MPI."""
+    is installed (it wins on one host, docs/benchmarks.md), else MLX ring; but `serving`
+    (a gateway streams beside the ranks) takes ring when the ranks fill every core: waiting
+    MPI ranks spin and starved the gateway (SSE stalls of seconds, docs/benchmarks.md), ring
+    ranks block. An explicit mpi is refused with --cluster (the planner picks jaccl or ring
+    per link) or without Open MPI."""
     requested = getattr(args, "backend", "auto")
     if getattr(args, "cluster", False):
         if requested == "mpi":
@@ -97,7 +112,7 @@ def resolve_backend(args, world_size: int) -> str:
         find_mpi()
         return "mpi" if world_size > 1 else "ring"
     if requested == "auto" and world_size > 1 and mpi_available():
-        return "mpi"
+        return "ring" if serving and world_size >= cores_here() else "mpi"
     return "ring"
 
 

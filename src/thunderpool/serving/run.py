@@ -37,7 +37,7 @@ def check_exposure(host: str, api_key: str | None, insecure: bool) -> None:
 def serve_main(args: argparse.Namespace, console: Console) -> int:
     from mlx_lm.utils import load_tokenizer
 
-    from thunderpool.cluster.mpi import LOCAL_BACKENDS, resolve_backend
+    from thunderpool.cluster.mpi import LOCAL_BACKENDS, SERVE_RING_REASON, resolve_backend
     from thunderpool.cluster.remote_model import MARKER as REMOTE
     from thunderpool.config import api_key_from_env
     from thunderpool.engine.loader import read_config
@@ -52,7 +52,7 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
     check_exposure(args.host, api_key, args.insecure)
     # Hybrid: one MLX ring world per group (mpirun starts one world), joined by hand-offs.
     groups = getattr(args, "groups", None)
-    backend = "ring" if groups else resolve_backend(args, args.nodes or 2)
+    backend = "ring" if groups else resolve_backend(args, args.nodes or 2, serving=True)
     if args.cluster:  # config and tokenizer from a member when this machine lacks the model
         from thunderpool.cluster.cli import coordinator
         from thunderpool.cluster.remote_model import model_here_or_remote
@@ -76,7 +76,14 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
     else:
         token, members = secrets.token_urlsafe(24), None
         plan = _local(args, backend, model_dir, name, max_context, token)
-        console.print(f"{args.nodes or 2} local ranks, {LOCAL_BACKENDS[backend]}")
+        why = ""
+        if (
+            backend == "ring"
+            and getattr(args, "backend", "auto") == "auto"
+            and resolve_backend(args, args.nodes or 2) == "mpi"
+        ):
+            why = f" ({SERVE_RING_REASON})"
+        console.print(f"{args.nodes or 2} local ranks, {LOCAL_BACKENDS[backend]}{why}")
     gateway = Gateway(info, tokenizer, token)
     view = ClusterView(config)
     supervisor = Supervisor(gateway, plan, console, on_event=_print_loaded(console), view=view)
