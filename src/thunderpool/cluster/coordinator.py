@@ -365,7 +365,7 @@ class ClusterInstance:
         limit = self.timeout if self.timeout is not None else float("inf")
         deadline = time.monotonic() + limit
         while not self._interrupted.is_set():
-            progressed, exits = False, {}
+            progressed, exits, failed = False, {}, []
             for node in self.nodes:
                 try:
                     # Long-poll the leader's node; glance at the others. Each poll also renews
@@ -394,11 +394,15 @@ class ClusterInstance:
                     exits[int(rank)] = code
                     if code not in (None, 0):
                         cause = reply["errors"].get(rank) or reply["errors"].get(str(rank), "")
-                        raise LaunchError(
-                            f"rank {rank} on {self._name(node)} exited with "
-                            f"code {code}: {cause}; stopped all {len(self.order)} "
-                            "ranks"
-                        )
+                        failed.append((int(rank), code, node, cause))
+            if failed:
+                # Of this round's failures, one killed by a signal is the cause: its peers
+                # failed in their collectives because of it. Else the lowest rank.
+                rank, code, node, cause = min(failed, key=lambda f: (f[1] >= 0, f[0]))
+                raise LaunchError(
+                    f"rank {rank} on {self._name(node)} exited with code {code}: {cause}; "
+                    f"stopped all {len(self.order)} ranks"
+                )
             if len(exits) == len(self.order) and all(c == 0 for c in exits.values()):
                 return
             if progressed:
