@@ -42,6 +42,8 @@ RING_PORT_BASE = 29500
 RING_PORT_LAST = 32760  # below Linux's ephemeral ports (32768+)
 # An agent that does not answer within this is lost: the loss is seen within ~2.5 s.
 NODE_TIMEOUT_S = 2.0
+# How long a loss waits for the other nodes to report a rank killed by a signal (the cause).
+CAUSE_GRACE_S = 1.0
 
 
 class Coordinator:
@@ -367,42 +369,15 @@ class ClusterInstance:
         while not self._interrupted.is_set():
             progressed, exits, failed = False, {}, []
             for node in self.nodes:
-                try:
-                    # Long-poll the leader's node; glance at the others. Each poll also renews
-                    # the agent's lease on the instance, which it stops when polls cease.
-                    wait = 0.5 if node == self.order[0] else 0.0
-                    reply = self.coordinator.client(node, self.state).call(
-                        "GET",
-                        f"/v1/instances/{self.instance_id}?after={seen[node]}&wait={wait}",
-                        timeout=wait + NODE_TIMEOUT_S,
-                    )
-                except AgentError as e:
-                    raise LaunchError(
-                        f"lost node {self._name(node)} (no answer within "
-                        f"{NODE_TIMEOUT_S:.0f} s: {e}); stopped every rank"
-                    ) from None
-                if not reply.get("known", True):
-                    raise LaunchError(
-                        f"node {self._name(node)} no longer runs this instance (it restarted, "
-                        "or stopped the ranks when polls ceased); stopped every rank"
-                    )
+                # Long-poll the leader's node; glance at the others.
+                reply = self._poll(node, seen[node], 0.5 if node == self.order[0] else 0.0)
                 for item in reply["events"]:
                     yield RankEvent(item["rank"], item["event"])
                     progressed = True
                 seen[node] += len(reply["events"])
-                for rank, code in reply["exits"].items():
-                    exits[int(rank)] = code
-                    if code not in (None, 0):
-                        cause = reply["errors"].get(rank) or reply["errors"].get(str(rank), "")
-                        failed.append((int(rank), code, node, cause))
+                exits.update(self._exits(node, reply, failed))
             if failed:
-                # Of this round's failures, one killed by a signal is the cause: its peers
-                # failed in their collectives because of it. Else the lowest rank.
-                rank, code, node, cause = min(failed, key=lambda f: (f[1] >= 0, f[0]))
-                raise LaunchError(
-                    f"rank {rank} on {self._name(node)} exited with code {code}: {cause}; "
-                    f"stopped all {len(self.order)} ranks"
-                )
+                raise self._lost(failed, seen)
             if len(exits) == len(self.order) and all(c == 0 for c in exits.values()):
                 return
             if progressed:
@@ -413,6 +388,58 @@ class ClusterInstance:
                 )
             else:
                 time.sleep(0.01)  # the leader's long-poll already waited; this bounds a spin
+
+    def _poll(self, node: str, after: int, wait: float) -> dict:
+        """One poll of a node's ranks; each poll also renews the agent's lease on the
+        instance, which it stops when polls cease."""
+        try:
+            reply = self.coordinator.client(node, self.state).call(
+                "GET",
+                f"/v1/instances/{self.instance_id}?after={after}&wait={wait}",
+                timeout=wait + NODE_TIMEOUT_S,
+            )
+        except AgentError as e:
+            raise LaunchError(
+                f"lost node {self._name(node)} (no answer within "
+                f"{NODE_TIMEOUT_S:.0f} s: {e}); stopped every rank"
+            ) from None
+        if not reply.get("known", True):
+            raise LaunchError(
+                f"node {self._name(node)} no longer runs this instance (it restarted, "
+                "or stopped the ranks when polls ceased); stopped every rank"
+            )
+        return reply
+
+    @staticmethod
+    def _exits(node: str, reply: dict, failed: list) -> dict[int, int | None]:
+        """The reply's exit codes by rank; failures are added to `failed`."""
+        exits = {}
+        for rank, code in reply["exits"].items():
+            exits[int(rank)] = code
+            if code not in (None, 0):
+                cause = reply["errors"].get(rank) or reply["errors"].get(str(rank), "")
+                failed.append((int(rank), code, node, cause))
+        return exits
+
+    def _lost(self, failed: list, seen: dict[str, int]) -> LaunchError:
+        """The error naming the cause of a loss. A rank killed by a signal is the cause: its
+        peers then fail in their collectives. A peer may notice before the killed rank's exit
+        is seen (a socket closes before the process is reaped, or its node was polled just
+        before), so the other nodes are asked again for up to CAUSE_GRACE_S."""
+        until = time.monotonic() + CAUSE_GRACE_S
+        while not any(code < 0 for _, code, _, _ in failed) and time.monotonic() < until:
+            time.sleep(0.05)
+            for node in self.nodes:
+                try:
+                    self._exits(node, self._poll(node, seen[node], 0.0), failed)
+                except LaunchError:
+                    continue  # a node lost now: the failures already seen say enough
+            failed = list({f[0]: f for f in failed}.values())
+        rank, code, node, cause = min(failed, key=lambda f: (f[1] >= 0, f[0]))
+        return LaunchError(
+            f"rank {rank} on {self._name(node)} exited with code {code}: {cause}; "
+            f"stopped all {len(self.order)} ranks"
+        )
 
     def _name(self, node: str) -> str:
         info: NodeInfo | None = self.state.nodes.get(node)
