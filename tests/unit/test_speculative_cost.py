@@ -69,3 +69,45 @@ def test_an_mtp_draft_is_one_layer_of_the_model_with_its_head():
     assert mtp.speedup > small.speedup > 1
     with pytest.raises(ThunderpoolError, match="kimi_k2 checkpoints do not ship"):
         mtp_draft(load_model("kimi-k2"))
+
+
+def test_spec_rows_compare_with_the_best_one_node_plan_even_when_it_is_not_shown():
+    """`simulate --spec-accept --top N` may list no one-node plan; the ratio is still against
+    the best of all plans that fit one node, priced plainly."""
+    from thunderpool.planner.speculative import spec_rows
+
+    cluster = parse_cluster("m4-max-128+m3-ultra-256@tb5-rdma")
+    spec, draft = load_model("qwen3-30b-a3b:q8"), load_model("qwen3-0.6b:q8")
+    plans = simulate(spec, cluster)
+    ones = [p for p in plans if len(p.nodes) == 1]
+    shown = [p for p in plans if p.kind == "tp" and len(p.nodes) == 2]
+    assert len(ones) == 2 and shown  # both nodes hold the model alone; neither is shown
+    listed, links = cluster.specs()
+    nodes = {n.name: n for n in listed}
+    best = max(predict(spec, p.stages, nodes, links).decode_tps for p in ones)
+    rows = spec_rows(spec, shown, plans, cluster, draft, 0.7, 2, 512)
+    assert [r.kind for r in rows] == ["tp"] * len(shown)
+    for r, p in zip(rows, shown, strict=True):
+        s = predict_speculative(spec, p.stages, nodes, links, draft, 0.7, 2)
+        assert r.baseline_tps == pytest.approx(best)
+        assert r.vs_one_node == pytest.approx(s.decode_tps / best)
+
+
+def test_an_ep_plan_is_priced_as_ep_with_and_without_the_draft():
+    from thunderpool.planner.ep import predict_ep
+    from thunderpool.planner.speculative import spec_rows
+
+    cluster = parse_cluster("2x m3-ultra-512@tb5-rdma")
+    spec, draft = load_model("qwen3-235b-a22b:q8"), load_model("qwen3-0.6b:q8")
+    plans = simulate(spec, cluster)
+    ep = next(p for p in plans if p.kind == "ep")
+    tp = next(p for p in plans if p.kind == "tp" and p.stages == ep.stages)
+    listed, links = cluster.specs()
+    nodes = {n.name: n for n in listed}
+    (row,) = spec_rows(spec, [ep], plans, cluster, draft, 0.8, 3, 512)
+    stage, counts = ep.stages[0], list(ep.experts)
+    plain = predict_ep(spec, stage, nodes, links, 512, 1, counts=counts).ep
+    four = predict_ep(spec, stage, nodes, links, 512, 4, counts=counts).ep
+    assert row.spec.plain_tps == pytest.approx(plain.decode_tps)
+    assert row.spec.verify_s == pytest.approx(4 / four.batch_tps)
+    assert row.spec.plain_tps != pytest.approx(tp.prediction.decode_tps, rel=0.01)

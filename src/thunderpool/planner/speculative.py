@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from thunderpool.errors import ThunderpoolError
-from thunderpool.planner.cost import LinkSpec, NodeSpec, Stage, predict
+from thunderpool.planner.cost import LinkSpec, NodeSpec, Prediction, Stage, predict
 from thunderpool.planner.spec import ModelSpec
 
 
@@ -98,6 +98,27 @@ def best_k(accept: float, draft_s: float, verify_s_of, k_max: int = 16) -> int:
     )
 
 
+def decode(
+    spec: ModelSpec,
+    stages,
+    nodes: dict[str, NodeSpec],
+    links: list[LinkSpec],
+    prompt_tokens: int,
+    rows: int = 1,
+    kind: str = "tp",
+    experts: tuple[int, ...] | None = None,
+    compiled: bool = False,
+) -> Prediction:
+    """A layout's decode step over `rows` tokens as the planner prices its kind: an EP plan's
+    with whole experts per rank (planner/ep.py), any other with cost.predict."""
+    if kind == "ep":
+        from thunderpool.planner.ep import predict_ep
+
+        counts = list(experts) if experts else None
+        return predict_ep(spec, stages[0], nodes, links, prompt_tokens, rows, counts=counts).ep
+    return predict(spec, stages, nodes, links, prompt_tokens, concurrency=rows, compiled=compiled)
+
+
 def predict_speculative(
     spec: ModelSpec,
     stages: list[Stage] | tuple[Stage, ...],
@@ -107,10 +128,15 @@ def predict_speculative(
     accept: float,
     k: int,
     prompt_tokens: int = 512,
+    kind: str = "tp",
+    experts: tuple[int, ...] | None = None,
+    compiled: bool = False,
 ) -> SpecPrediction:
-    """A layout's decode with a draft on its leader (the first stage's first node)."""
-    plain = predict(spec, stages, nodes, links, prompt_tokens)
-    verify = predict(spec, stages, nodes, links, prompt_tokens, concurrency=k + 1)
+    """A layout's decode with a draft on its leader (the first stage's first node); `kind`,
+    `experts` and `compiled` as the plan's, so an EP plan is priced as EP."""
+    how = {"kind": kind, "experts": experts, "compiled": compiled}
+    plain = decode(spec, stages, nodes, links, prompt_tokens, **how)
+    verify = decode(spec, stages, nodes, links, prompt_tokens, k + 1, **how)
     leader = stages[0].nodes[0]
     alone = (Stage((leader,), (0, draft.layers), (1.0,)),)
     drafted = predict(draft, alone, nodes, links, prompt_tokens)
@@ -124,38 +150,81 @@ def predict_speculative(
     )
 
 
-def spec_table(spec, plans, cluster, draft, accept: float, k: int, prompt_tokens: int):
-    """`simulate --spec-accept`: each plan with and without the draft (k=0: the best k per
-    plan), and its decode against the best one-node plan without speculation."""
-    from rich.table import Table
+def one_node_tps(spec, plans, nodes, links, prompt_tokens: int) -> float:
+    """The best one-node plan's plain decode tok/s (one row) among `plans`; 0: none fits."""
+    ones = [p for p in plans if len(p.nodes) == 1]
+    return max(
+        (
+            decode(spec, p.stages, nodes, links, prompt_tokens, compiled=p.compiled).decode_tps
+            for p in ones
+        ),
+        default=0.0,
+    )
 
+
+@dataclass(frozen=True, slots=True)
+class SpecRow:
+    """One plan of `simulate --spec-accept`: its speculative decode at its k."""
+
+    kind: str
+    nodes: int
+    spec: SpecPrediction
+    baseline_tps: float  # the best one-node plan's plain decode (0: no node holds the model)
+
+    @property
+    def vs_one_node(self) -> float | None:
+        return self.spec.decode_tps / self.baseline_tps if self.baseline_tps else None
+
+
+def spec_rows(spec, shown, plans, cluster, draft, accept: float, k: int, prompt_tokens: int):
+    """Each shown plan with the draft (k=0: the best k per plan), against the best one-node
+    plan of all `plans` without speculation, listed among `shown` or not."""
     listed, links = cluster.specs()
     nodes = {n.name: n for n in listed}
-    base = max((p.prediction.decode_tps for p in plans if len(p.nodes) == 1), default=0.0)
-    table = Table("kind", "nodes", "plain tok/s", "k", "spec tok/s", "speedup", "vs one node")
-    table.title = f"speculative decoding, acceptance {accept}" + (
-        f"; vs one node: against {base:.1f} tok/s (the best one-node plan, no draft)"
-        if base
-        else ""
-    )
-    for p in plans:
+    base = one_node_tps(spec, plans, nodes, links, prompt_tokens)
+    rows = []
+    for p in shown:
+        how = {"kind": p.kind, "experts": p.experts, "compiled": p.compiled}
 
-        def verify_s(kk: int, p=p) -> float:
-            v = predict(spec, p.stages, nodes, links, prompt_tokens, concurrency=kk + 1)
+        def verify_s(kk: int, p=p, how=how) -> float:
+            v = decode(spec, p.stages, nodes, links, prompt_tokens, kk + 1, **how)
             return (kk + 1) / v.batch_tps
 
         kk = k
         if not kk:
-            one = predict_speculative(spec, p.stages, nodes, links, draft, accept, 1, prompt_tokens)
+            one = predict_speculative(
+                spec, p.stages, nodes, links, draft, accept, 1, prompt_tokens, **how
+            )
             kk = best_k(accept, one.draft_s, verify_s)
-        s = predict_speculative(spec, p.stages, nodes, links, draft, accept, kk, prompt_tokens)
+        s = predict_speculative(
+            spec, p.stages, nodes, links, draft, accept, kk, prompt_tokens, **how
+        )
+        rows.append(SpecRow(p.kind, len(p.nodes), s, base))
+    return rows
+
+
+def spec_table(spec, shown, plans, cluster, draft, accept: float, k: int, prompt_tokens: int):
+    """`simulate --spec-accept`: each shown plan with and without the draft, and its decode
+    against the best one-node plan without speculation (spec_rows)."""
+    from rich.table import Table
+
+    rows = spec_rows(spec, shown, plans, cluster, draft, accept, k, prompt_tokens)
+    base = rows[0].baseline_tps if rows else 0.0
+    table = Table("kind", "nodes", "plain tok/s", "k", "spec tok/s", "speedup", "vs one node")
+    table.title = f"speculative decoding, acceptance {accept}" + (
+        f"; vs one node: against {base:.1f} tok/s (the best one-node plan, no draft)"
+        if base
+        else "; no one-node plan holds the model"
+    )
+    for r in rows:
+        s = r.spec
         table.add_row(
-            p.kind,
-            str(len(p.nodes)),
+            r.kind,
+            str(r.nodes),
             f"{s.plain_tps:.1f}",
-            str(kk),
+            str(s.k),
             f"{s.decode_tps:.1f}",
             f"{s.speedup:.2f}x",
-            f"{s.decode_tps / base:.2f}x" if base else "-",
+            f"{r.vs_one_node:.2f}x" if r.vs_one_node else "-",
         )
     return table
