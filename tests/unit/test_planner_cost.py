@@ -150,10 +150,11 @@ def test_missing_link_and_bad_node_are_named():
 
 
 def test_rdma_all_reduce_is_one_mesh_round_plus_the_fixed_overhead():
-    # MLX jaccl sends the whole buffer to every peer at once: latency and bytes once, any n.
+    # MLX jaccl sends the whole buffer to every peer at once: one latency, and each rank's
+    # n-1 copies of the bytes at one link's rate.
     rdma = LinkSpec("a", "b", 5e-6, 10e9, "rdma", overhead_s=4e-6)
-    assert rdma.all_reduce_s(1e6, 4) == pytest.approx(4e-6 + 5e-6 + 1e6 / 10e9, rel=1e-12)
-    assert rdma.all_reduce_s(1e6, 2) == rdma.all_reduce_s(1e6, 4)
+    assert rdma.all_reduce_s(1e6, 2) == pytest.approx(4e-6 + 5e-6 + 1e6 / 10e9, rel=1e-12)
+    assert rdma.all_reduce_s(1e6, 4) == pytest.approx(4e-6 + 5e-6 + 3e6 / 10e9, rel=1e-12)
     ring = LinkSpec("a", "b", 1e-3, 1e9, "ethernet", overhead_s=5e-5)
     assert ring.all_reduce_s(1024, 2) == pytest.approx(5e-5 + 1024 / 1e9 + 2e-3, rel=1e-12)
     assert ring.hop_s(1024) == pytest.approx(5e-5 + 1e-3 + 1024 / 1e9, rel=1e-12)

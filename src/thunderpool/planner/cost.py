@@ -125,11 +125,13 @@ class LinkSpec:
     def all_reduce_s(self, nbytes: float, n: int) -> float:
         """All-reduce of nbytes over n ranks.
 
-        RDMA (MLX jaccl's mesh) sends the whole buffer to every peer at once over its own
-        link: one latency. Ring (TCP): 2(n-1) steps, each moving nbytes/n.
+        RDMA (MLX jaccl's mesh) sends the whole buffer to every peer at once: one latency,
+        but each rank sends and sums n-1 copies (jaccl's mesh all_reduce), priced here as
+        moving at one link's rate together: priced as parallel, exo's GLM-5 TP4 prefill of
+        123 MB all_sums came out 28% fast (TP2 +9%). Ring (TCP): 2(n-1) steps of nbytes/n.
         """
         if self.kind == "rdma":
-            return self.overhead_s + self.latency_s + nbytes / self.bandwidth_Bps
+            return self.overhead_s + self.latency_s + (n - 1) * nbytes / self.bandwidth_Bps
         ring = 2 * (n - 1) / n * nbytes / self.bandwidth_Bps + 2 * (n - 1) * self.latency_s
         return self.overhead_s + ring
 
