@@ -243,8 +243,8 @@ def test_agent_never_unpickles_a_body(agent_client):
 
 
 def test_node_specs_carry_the_calibrated_fixed_costs():
-    """Live plans pay the simulator's per-matmul cost (by chip) and per-collective cost (by
-    link kind), as presets.toml states them, not zero."""
+    """Live plans pay the simulator's per-matmul cost and per-row cost (by chip) and
+    per-collective cost (by link kind), as presets.toml states them, not zero."""
     from thunderpool.cluster.coordinator import node_specs
     from thunderpool.planner.presets import presets
 
@@ -258,6 +258,8 @@ def test_node_specs_carry_the_calibrated_fixed_costs():
     assert by_name == pytest.approx(
         {"a": cal["op_latency_us"]["cpu"] * 1e-6, "b": cal["op_latency_us"]["m3-ultra"] * 1e-6}
     )
+    rows = cal["row_op_latency_us"]
+    assert [n.row_op_latency_s for n in nodes] == [rows["cpu"] * 1e-6, rows["m3-ultra"] * 1e-6]
     assert links[0].overhead_s == pytest.approx(cal["collective_overhead_us"]["tcp"] * 1e-6)
     rdma = apply(s, link("a", "b", 1e-5).model_copy(update={"link": "rdma"}))
     assert node_specs(rdma)[1][0].overhead_s == pytest.approx(

@@ -176,6 +176,27 @@ def test_dispatch_floor_does_not_shrink_with_tp():
     assert single.decode_tps == pytest.approx(1 / step, rel=1e-12)
 
 
+def test_each_row_beyond_the_first_pays_its_own_cost_per_matmul():
+    """A batched step (or a verify's positions) pays the fixed dispatch once and
+    row_op_latency_s per matmul for every further row; rows read their own caches, the
+    positions of one sequence read theirs once."""
+    spec = model_spec_from_config(CONFIG)
+    a = NodeSpec("a", 64 * GiB, 60 * GiB, 100e9, 1e15, op_latency_s=10e-6, row_op_latency_s=4e-6)
+    stage = [Stage(("a",), (0, 8), (1.0,))]
+    one = predict(spec, stage, {"a": a}, [], prompt_tokens=16)
+    rows = predict(spec, stage, {"a": a}, [], prompt_tokens=16, concurrency=8)
+    verify = predict(spec, stage, {"a": a}, [], prompt_tokens=16, tokens_per_row=8)
+    # 57 llama-matmuls (8 layers x 7 + the head): 10 us once, then 4 us for each of 7 rows.
+    assert rows.breakdown.dispatch_s == pytest.approx(57 * (10e-6 + 7 * 4e-6), rel=1e-12)
+    assert verify.breakdown.dispatch_s == rows.breakdown.dispatch_s
+    kv = 16 * spec.kv_bytes_per_token_per_layer * 8  # one sequence's cache, all layers
+    weights = spec.active_bytes_per_token  # a dense model: the same bytes for any batch
+    assert one.breakdown.memory_s == pytest.approx((weights + kv) / 100e9, rel=1e-12)
+    assert rows.breakdown.memory_s == pytest.approx((weights + 8 * kv) / 100e9, rel=1e-12)
+    assert verify.breakdown.memory_s == one.breakdown.memory_s
+    assert rows.batch_tps == pytest.approx(8 * rows.decode_tps, rel=1e-12)
+
+
 def test_unfused_mla_attention_reads_the_latent_twice_plus_scores():
     from dataclasses import replace
 

@@ -74,6 +74,7 @@ def test_preset_expression_gives_calibrated_nodes_and_a_full_mesh():
         flops=8.6e12 * cal["flops_efficiency"],
         os_reserve_bytes=6 * 10**9,
         op_latency_s=cal["op_latency_us"]["m4"] * 1e-6,
+        row_op_latency_s=cal["row_op_latency_us"]["m4"] * 1e-6,
     )
     assert links[0] == LinkSpec(
         "m3-ultra-512-1",
@@ -83,6 +84,16 @@ def test_preset_expression_gives_calibrated_nodes_and_a_full_mesh():
         kind="ethernet",
         overhead_s=cal["collective_overhead_us"]["tcp"] * 1e-6,
     )
+
+
+def test_cpu_nodes_pay_the_measured_cost_per_extra_row_and_macs_the_stated_one():
+    from thunderpool.planner.presets import live_row_op_latency_s
+
+    cal = presets()["calibration"]["row_op_latency_us"]
+    nodes, _ = parse_cluster("linux-ddr5-128+m3-ultra-512@10gbe").specs()
+    assert [n.row_op_latency_s for n in nodes] == [cal["cpu"] * 1e-6, cal["m3-ultra"] * 1e-6]
+    assert live_row_op_latency_s("Intel(R) Xeon(R) CPU") == cal["cpu"] * 1e-6
+    assert live_row_op_latency_s("Apple M4 Max") == cal["m4"] * 1e-6
 
 
 def test_one_node_needs_no_link_and_terms_are_case_blind():

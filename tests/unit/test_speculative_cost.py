@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from thunderpool.errors import ThunderpoolError
-from thunderpool.planner.cost import predict
+from thunderpool.planner.cost import kv_read_bytes, predict, shares
 from thunderpool.planner.presets import parse_cluster
 from thunderpool.planner.simulate import load_model, simulate
 from thunderpool.planner.speculative import expected_tokens, predict_speculative
@@ -29,13 +29,20 @@ def tp4():
     return spec, plan, {n.name: n for n in listed}, links
 
 
-def test_a_verify_step_is_priced_as_a_batch_of_k_plus_one(tp4):
+def test_a_verify_step_reads_the_weights_and_the_cache_once_for_k_plus_one_positions(tp4):
     spec, plan, nodes, links = tp4
     draft = load_model("qwen3-0.6b:q8")
     s = predict_speculative(spec, plan.stages, nodes, links, draft, 0.7, 4)
     assert s.plain_tps == pytest.approx(plan.prediction.decode_tps)
-    five = predict(spec, plan.stages, nodes, links, concurrency=5)
-    assert s.verify_s == pytest.approx(5 / five.batch_tps)
+    verify = predict(spec, plan.stages, nodes, links, tokens_per_row=5)
+    assert s.verify_s == pytest.approx(1 / verify.decode_tps)
+    # Five rows would read five caches; five positions of one sequence read one.
+    rows = predict(spec, plan.stages, nodes, links, concurrency=5)
+    share = shares(spec, plan.stages[0])[0]
+    kv = kv_read_bytes(spec, plan.stages[0], share, 1, 512, 2.0)
+    bw = nodes[share.node].mem_bw_Bps
+    assert rows.breakdown.memory_s - verify.breakdown.memory_s == pytest.approx(4 * kv / bw)
+    assert rows.breakdown.dispatch_s == verify.breakdown.dispatch_s
     # One step costs more than a plain token (more experts read, k drafts) but less than k+1.
     assert 1 / s.plain_tps < s.verify_s < 5 / s.plain_tps
     assert s.decode_tps == pytest.approx(s.tokens_per_step / (4 * s.draft_s + s.verify_s))
@@ -107,7 +114,7 @@ def test_an_ep_plan_is_priced_as_ep_with_and_without_the_draft():
     (row,) = spec_rows(spec, [ep], plans, cluster, draft, 0.8, 3, 512)
     stage, counts = ep.stages[0], list(ep.experts)
     plain = predict_ep(spec, stage, nodes, links, 512, 1, counts=counts).ep
-    four = predict_ep(spec, stage, nodes, links, 512, 4, counts=counts).ep
+    four = predict_ep(spec, stage, nodes, links, 512, 1, counts=counts, tokens_per_row=4).ep
     assert row.spec.plain_tps == pytest.approx(plain.decode_tps)
-    assert row.spec.verify_s == pytest.approx(4 / four.batch_tps)
+    assert row.spec.verify_s == pytest.approx(1 / four.decode_tps)
     assert row.spec.plain_tps != pytest.approx(tp.prediction.decode_tps, rel=0.01)

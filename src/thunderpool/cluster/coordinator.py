@@ -36,7 +36,11 @@ from thunderpool.engine.job import RankJob
 from thunderpool.errors import LaunchError, ThunderpoolError
 from thunderpool.planner.cost import LinkSpec, NodeSpec, pins_cores
 from thunderpool.planner.placement import Plan
-from thunderpool.planner.presets import live_collective_overhead_s, live_op_latency_s
+from thunderpool.planner.presets import (
+    live_collective_overhead_s,
+    live_op_latency_s,
+    live_row_op_latency_s,
+)
 
 RING_PORT_BASE = 29500
 RING_PORT_LAST = 32760  # below Linux's ephemeral ports (32768+)
@@ -146,6 +150,7 @@ def node_specs(state: ClusterState) -> tuple[list[NodeSpec], list[LinkSpec]]:
             short_row_mem_bw_Bps=n.short_row_mem_bw_Bps,
             split_mem_bw_Bps=n.split_mem_bw_Bps,
             op_latency_s=n.op_latency_s or live_op_latency_s(n.chip),
+            row_op_latency_s=live_row_op_latency_s(n.chip),
         )
         for n in state.nodes.values()
     ]

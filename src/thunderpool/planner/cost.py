@@ -2,9 +2,11 @@
 
 Each rank's decode time is max(bytes read / memory bandwidth, FLOPs / compute) plus a fixed
 dispatch cost per weight matmul (kernel launch and sync: it does not shrink when TP splits the
-matmul). A TP stage runs its ranks in parallel (the slowest rank sets the pace) and pays 2
-all-reduces per layer; a pure TP layout also splits the vocabulary over its ranks: one
-all-reduce of the embedded tokens and one gather of the logits per step (parallel/vocab.py).
+matmul), plus, for a step of several rows (a batch, or a verify's positions), a cost per
+matmul for each row beyond the first. A TP stage runs its ranks in parallel (the slowest
+rank sets the pace) and pays 2 all-reduces per layer; a pure TP layout also splits the
+vocabulary over its ranks: one all-reduce of the embedded tokens and one gather of the logits
+per step (parallel/vocab.py).
 PP stages run one after another for a single stream and pay one hop per stage boundary, plus
 the hop that returns the last hidden state to rank 0 (which holds the embedding and output
 head). Every collective also pays its link's fixed software overhead.
@@ -56,6 +58,9 @@ class NodeSpec:
     os_reserve_bytes: int = 0
     # Seconds a decode step pays per weight matmul whatever its size (launch + sync).
     op_latency_s: float = 0.0
+    # And per matmul for each row (or verified position) beyond the first: the host and
+    # kernel work a batched step repeats per row besides its products (presets.toml).
+    row_op_latency_s: float = 0.0
     # Nodes with the same non-empty `host` share one machine (e.g. several agents on one box):
     # its memory, its `cores`, and `host_mem_bw_Bps`, the bandwidth all its cores reach together.
     host: str = ""
@@ -225,10 +230,13 @@ def kv_bytes(spec: ModelSpec, stage: Stage, share: Share, tokens: int, kv_dtype_
     return tokens * per_layer * stage.n_layers * share.kv
 
 
-def kv_read_bytes(spec, stage, share, batch: int, kv_len: float, kv_dtype_bytes: float) -> float:
-    """Bytes one decode step moves over the cache: one pass when MLX's fused kernel takes the
-    head width; else separate K and V passes (MLA's K and V are the same latent) plus scores."""
-    cache = kv_bytes(spec, stage, share, batch * kv_len, kv_dtype_bytes)
+def kv_read_bytes(
+    spec, stage, share, batch: int, kv_len: float, kv_dtype_bytes: float, rows: int = 0
+) -> float:
+    """Bytes one decode step of `batch` tokens in `rows` sequences (0: one each) moves over the
+    cache: one pass per sequence when MLX's fused kernel takes the head width; else separate K
+    and V passes (MLA's K and V are the same latent) plus each token's scores."""
+    cache = kv_bytes(spec, stage, share, (rows or batch) * kv_len, kv_dtype_bytes)
     if spec.attn_fused:
         return cache
     scores = SCORE_BYTES * spec.heads * share.q * batch * kv_len * stage.n_layers
@@ -245,11 +253,13 @@ def predict(
     kv_dtype_bytes: float = 2.0,
     act_bytes: float = 2.0,
     compiled: bool = False,
+    tokens_per_row: int = 1,
 ) -> Prediction:
     """Predict a layout's speed; decode is measured right after a `prompt_tokens` prompt.
     `compiled`: decode steps run the compiled, fused step (its kernels: planner/dispatch.py)
-    where the family has one."""
-    batch, hidden = concurrency, spec.hidden
+    where the family has one. `tokens_per_row`: positions each row runs in the step (a
+    speculative verify: k+1 of one sequence, which read its cache once)."""
+    batch, hidden = concurrency * tokens_per_row, spec.hidden
     compute = memory = collective = dispatch = 0.0
     n_coll = 0
     prefill = 0.0
@@ -267,6 +277,7 @@ def predict(
                 prompt_tokens,
                 kv_dtype_bytes,
                 compiled,
+                concurrency,
             )
             for s in ranks
         ]
@@ -326,7 +337,7 @@ def predict(
     step = compute + memory + collective + dispatch
     return Prediction(
         decode_tps=1.0 / step,
-        batch_tps=batch / step,
+        batch_tps=concurrency / step,
         prefill_tps=prompt_tokens / prefill,
         ttft_s=prefill,
         breakdown=Breakdown(compute, memory, collective, dispatch),
@@ -435,15 +446,19 @@ def _matmuls(spec: ModelSpec, stage: Stage, head: float, compiled: bool = False)
     return sum(per_layer[i] for i in range(*stage.layers)) + (head > 0) if per_layer else 0
 
 
-def _rank_time(spec, stage, share, node, head, batch, kv_len, kv_dtype_bytes, compiled=False):
-    """(memory seconds, compute seconds, dispatch seconds) of one decode step on one rank."""
+def _rank_time(
+    spec, stage, share, node, head, batch, kv_len, kv_dtype_bytes, compiled=False, rows=0
+):
+    """(memory seconds, compute seconds, dispatch seconds) of one decode step of `batch` tokens
+    in `rows` sequences (0: one each) on one rank."""
     nbytes = read_bytes(spec, stage, share, head, batch)
-    nbytes += kv_read_bytes(spec, stage, share, batch, kv_len, kv_dtype_bytes)
+    nbytes += kv_read_bytes(spec, stage, share, batch, kv_len, kv_dtype_bytes, rows)
     flops = batch * _flops(spec, stage, share, head, kv_len)
+    per_matmul = node.op_latency_s + (batch - 1) * node.row_op_latency_s
     return (
         nbytes / node.mem_bw_Bps,
         flops / node.flops,
-        _matmuls(spec, stage, head, compiled) * node.op_latency_s,
+        _matmuls(spec, stage, head, compiled) * per_matmul,
     )
 
 

@@ -140,15 +140,25 @@ def predict_ep(
     counts: list[int] | None = None,
     routing: dict[int, tuple[float, ...]] | None = None,
     replicas: tuple[tuple[int, int, int], ...] = (),
+    tokens_per_row: int = 1,
 ) -> EPPrediction:
     """TP and EP over one stage's nodes: attention, dense MLPs and shared experts split as TP
     in both; EP holds whole routed experts (`counts` per rank, default by the TP weights).
     `routing`: each MoE layer's measured share of routes per expert (parallel/routing.py;
-    default uniform); `replicas`: (layer, expert, rank) copies of hot experts."""
+    default uniform); `replicas`: (layer, expert, rank) copies of hot experts;
+    `tokens_per_row` as cost.predict's (a speculative verify)."""
     if not isinstance(nodes, dict):
         nodes = {n.name: n for n in nodes}
     tp = cost.predict(
-        spec, [stage], nodes, links, prompt_tokens, concurrency, kv_dtype_bytes, act_bytes
+        spec,
+        [stage],
+        nodes,
+        links,
+        prompt_tokens,
+        concurrency,
+        kv_dtype_bytes,
+        act_bytes,
+        tokens_per_row=tokens_per_row,
     )
     weights = list(stage.tp_weights)
     experts = [s.e1 - s.e0 for s in split_experts(spec.experts, weights, counts)]
@@ -203,7 +213,7 @@ def predict_ep(
         flop_s = max(x * flops / r.flops for x, r in zip(routes, runs, strict=True))
         return tp_s, max(worst, flop_s), max(mean, flop_s)
 
-    tp_dec, ep_dec, ep_mean = expert_s(concurrency)
+    tp_dec, ep_dec, ep_mean = expert_s(concurrency * tokens_per_row)
     tp_pre, ep_pre, _ = expert_s(prompt_tokens)
     sync = len(moe) * max(r.op_latency_s for r in runs)
     b = tp.breakdown

@@ -75,6 +75,8 @@ class Cluster:
                 flops=n.tflops * 1e12 * cal["flops_efficiency"],
                 os_reserve_bytes=int(n.os_reserve_gb * GB),
                 op_latency_s=_lookup(cal["op_latency_us"], n.family, "family", n.name) * 1e-6,
+                row_op_latency_s=_lookup(cal["row_op_latency_us"], n.family, "family", n.name)
+                * 1e-6,
             )
             for n in self.nodes
         ]
@@ -110,6 +112,14 @@ def live_op_latency_s(chip: str) -> float:
     chip = chip.lower()
     family = "cpu" if "apple" not in chip else "m3-ultra" if "ultra" in chip else "m4"
     return presets()["calibration"]["op_latency_us"][family] * 1e-6
+
+
+def live_row_op_latency_s(chip: str) -> float:
+    """The calibrated per-matmul cost of each extra row of a batched step, by chip family as
+    live_op_latency_s (agents do not measure it)."""
+    chip = chip.lower()
+    family = "cpu" if "apple" not in chip else "m3-ultra" if "ultra" in chip else "m4"
+    return presets()["calibration"]["row_op_latency_us"][family] * 1e-6
 
 
 def live_collective_overhead_s(kind: str) -> float:

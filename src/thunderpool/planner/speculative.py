@@ -1,12 +1,15 @@
 """What speculative decoding buys a plan (engine/speculate.py), from the same cost model.
 
-A verify step runs the target once over k+1 tokens of one sequence: the weights are read once
-and the fixed per-step costs (dispatch, collectives) paid once, as for a batch of k+1 rows,
-so cost.predict(concurrency=k+1) prices it (MoE layers read the experts that k+1 tokens touch).
-Before it, the leader runs the draft k times, one token each, while the other ranks wait:
-today's engine does not overlap drafting with verifying. With per-token acceptance rate a
-(independent of position), a verify step emits E = (1 - a^(k+1)) / (1 - a) tokens on average
-(Leviathan et al. 2023), so tok/s = E / (k * draft_s + verify_s).
+Both steps are priced from the per-step terms of cost.py. A verify step runs the target once
+over k+1 positions of one sequence (cost.predict(tokens_per_row=k+1)): a fixed part paid once
+(the per-matmul dispatch, every collective), the weights and the sequence's cache read once
+(MoE layers: the experts that k+1 tokens touch), and per position its FLOPs and
+row_op_latency_s per matmul beyond the first (measured on CPU, assumed 0 on Metal:
+presets.toml). Before it, the leader runs the draft k times, one token each, while the other
+ranks wait (today's engine does not overlap drafting with verifying): a draft token is the
+draft's bytes at the leader's bandwidth plus its own dispatch floor. With per-token acceptance
+rate a (independent of position), a verify step emits E = (1 - a^(k+1)) / (1 - a) tokens on
+average (Leviathan et al. 2023), so tok/s = E / (k * draft_s + verify_s).
 """
 
 from __future__ import annotations
@@ -104,19 +107,24 @@ def decode(
     nodes: dict[str, NodeSpec],
     links: list[LinkSpec],
     prompt_tokens: int,
-    rows: int = 1,
+    tokens: int = 1,
     kind: str = "tp",
     experts: tuple[int, ...] | None = None,
     compiled: bool = False,
 ) -> Prediction:
-    """A layout's decode step over `rows` tokens as the planner prices its kind: an EP plan's
-    with whole experts per rank (planner/ep.py), any other with cost.predict."""
+    """A layout's decode step over `tokens` positions of one sequence as the planner prices
+    its kind: an EP plan's with whole experts per rank (planner/ep.py), any other with
+    cost.predict."""
     if kind == "ep":
         from thunderpool.planner.ep import predict_ep
 
         counts = list(experts) if experts else None
-        return predict_ep(spec, stages[0], nodes, links, prompt_tokens, rows, counts=counts).ep
-    return predict(spec, stages, nodes, links, prompt_tokens, concurrency=rows, compiled=compiled)
+        return predict_ep(
+            spec, stages[0], nodes, links, prompt_tokens, counts=counts, tokens_per_row=tokens
+        ).ep
+    return predict(
+        spec, stages, nodes, links, prompt_tokens, compiled=compiled, tokens_per_row=tokens
+    )
 
 
 def predict_speculative(
@@ -145,7 +153,7 @@ def predict_speculative(
         k=k,
         plain_tps=plain.decode_tps,
         draft_s=1.0 / drafted.decode_tps,
-        verify_s=(k + 1) / verify.batch_tps,
+        verify_s=1.0 / verify.decode_tps,
         tokens_per_step=expected_tokens(accept, k),
     )
 
@@ -188,7 +196,7 @@ def spec_rows(spec, shown, plans, cluster, draft, accept: float, k: int, prompt_
 
         def verify_s(kk: int, p=p, how=how) -> float:
             v = decode(spec, p.stages, nodes, links, prompt_tokens, kk + 1, **how)
-            return (kk + 1) / v.batch_tps
+            return 1.0 / v.decode_tps
 
         kk = k
         if not kk:
