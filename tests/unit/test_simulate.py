@@ -170,6 +170,22 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
 
 
+def test_spec_accept_names_the_one_node_baseline_when_top_hides_it(capsys):
+    from thunderpool.planner.cost import predict
+
+    cluster, model = "2x m3-ultra-256@tb5-rdma", "qwen3-235b-a22b:q4"
+    argv = ["simulate", "--cluster", cluster, "--model", model, "--spec-accept", "0.7"]
+    assert main([*argv, "--top", "1"]) == 0
+    plans = simulate(load_model(model), parse_cluster(cluster))
+    assert len(plans[0].nodes) > 1  # the one plan shown is not a one-node plan
+    nodes, links = parse_cluster(cluster).specs()
+    by = {n.name: n for n in nodes}
+    ones = [p for p in plans if len(p.nodes) == 1]
+    best = max(predict(load_model(model), p.stages, by, links).decode_tps for p in ones)
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"against {best:.1f} tok/s (the best one-node plan, no draft)" in out
+
+
 def test_list_and_validate_print_tables(capsys):
     assert main(["simulate", "--list"]) == 0
     assert "tb5-rdma" in capsys.readouterr().out

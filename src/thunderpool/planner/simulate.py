@@ -197,7 +197,8 @@ def add_simulate_parser(sub) -> None:
     p.add_argument(
         "--spec-accept",
         type=float,
-        help="also predict speculative decoding at this draft acceptance rate (0..1)",
+        help="also predict speculative decoding at this draft acceptance rate (0..1): each "
+        "shown plan with the draft, against the best one-node plan without one",
     )
     p.add_argument(
         "--spec-k", type=int, default=0, help="draft tokens per verify step (default: best)"
