@@ -205,3 +205,33 @@ def test_draftable_synthetic_damps_only_later_layers_writes(tmp_path):
     assert ratio == pytest.approx(PRESETS["1b-draftable"]["residual_scale"], rel=0.2)
     assert w[later + "self_attn.q_proj.weight"].std() == pytest.approx(0.02, rel=0.2)
     assert "residual_scale" not in json.loads((out / "config.json").read_text())
+
+
+@pytest.mark.parametrize("draft", [None, "cut"])
+def test_a_step_account_changes_no_token_and_accounts_for_every_one(runner, models, draft):
+    """bench's step account (engine/account.py): the same tokens with it on, every delivered
+    token counted in a step, and each step's parts adding up to the time between steps."""
+    from thunderpool.engine.account import StepAccount
+
+    prompts = tiny_prompts(2)
+    plain = generate(runner, None, prompts)[0]
+    drafter = Drafter(load_model(models[draft])[0], k=4) if draft else None
+    engine = Engine(runner, Control(runner.group), prefill_chunk=16, drafter=drafter)
+    engine.executor.account = acct = StepAccount()
+    out: dict[int, list[int]] = {0: [], 1: []}
+    for i, prompt in enumerate(prompts):
+        engine.submit(prompt, GREEDY, lambda ev, i=i: out[i].append(ev.token))
+    while engine.step():
+        pass
+    assert [out[0], out[1]] == plain
+    # Every token is counted once: in its step, or (a request's first) at its prefill.
+    assert sum(acct.tokens) + acct.outside == sum(map(len, plain))
+    assert acct.outside <= len(prompts)
+    assert all(v >= 0 for step in acct.steps for v in step.values())
+    parts = {p for step in acct.steps for p in step}
+    assert {"forward", "exchange", "deliver"} <= parts
+    assert ({"draft", "trim", "accept"} <= parts) == (draft is not None)
+    summary = acct.summary()
+    assert summary["total"]["median_ms"] >= summary["forward"]["median_ms"] > 0
+    if draft is None:
+        assert max(acct.rows) == 2 and summary["tokens_per_step"] in (1, 2)

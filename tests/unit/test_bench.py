@@ -242,3 +242,28 @@ def test_cluster_bench_runs_the_synthetic_model(monkeypatch, tmp_path, capsys):
     assert seen["m"] == str(tmp_path / "1b")
     assert main(["bench", "--cluster", "--synthetic", "1b", "--model", "x"]) == 2
     assert "--synthetic and --model both name a model" in capsys.readouterr().err
+
+
+def test_spec_bench_accounts_for_plain_batched_and_speculative_steps(tiny_models, tmp_path):
+    """bench --draft-layers with --concurrency: the same tokens in every mode, and a step
+    account of each mode, alone and batched, whose parts are the ones the mode runs."""
+    from thunderpool.bench.speculative import run_spec_bench
+    from thunderpool.bench.synthetic import write_truncated
+    from thunderpool.engine.job import BenchTask
+
+    target = tiny_models["llama"]
+    draft = write_truncated(target, 2, tmp_path / "draft")
+    console = Console(file=io.StringIO(), width=200)
+    task = BenchTask(prompt_tokens=8, max_tokens=12, repeats=1, concurrency=(1, 2))
+    [result] = run_spec_bench(target, draft, [(1, "tp")], task, 3, console)
+    for level in result["batching"]:
+        assert level["identical_tokens"] is True
+        accounts = {a["mode"]: a for a in level["accounts"]}
+        assert set(accounts) == {"plain", "spec"} and accounts["plain"]["rows"] == level["rows"]
+        plain, spec = accounts["plain"]["account"], accounts["spec"]["account"]
+        assert {"forward", "sample", "deliver"} <= set(plain) and "draft" not in plain
+        assert {"draft", "forward", "accept", "trim"} <= set(spec) and "sample" not in spec
+        assert plain["rows"] == level["rows"] and plain["tokens_per_step"] == level["rows"]
+        assert spec["tokens_per_step"] >= level["rows"]  # at least the target's own token each
+    printed = console.file.getvalue()
+    assert "step account: single 1, 2 row(s)" in printed and "timed ms/token" in printed

@@ -10,6 +10,7 @@ import statistics
 import time
 from pathlib import Path
 
+from thunderpool.bench.accounts import accounted, print_accounts
 from thunderpool.bench.engine_bench import (
     PROMPT_SEED,
     WARMUP_TOKENS,
@@ -41,8 +42,14 @@ def bench_spec_leader(engine: Engine, task: BenchTask, emit) -> None:
                 run = run_ours(engine, prompt, WARMUP_TOKENS if warm else task.max_tokens)
                 if not warm:
                     runs[mode].append((run, ex.spec_stats))
-    ex.drafter = drafter
     tps = {m: [r.decode_tps for r, _ in rs] for m, rs in runs.items()}
+    accounts = []
+    for mode in ("plain", "spec"):
+        ex.drafter, ex.spec_stats = (drafter if mode == "spec" else None), SpecStats()
+        acct = accounted(engine, lambda: run_ours(engine, prompt, task.max_tokens))
+        timed_ms = 1e3 / statistics.median(tps[mode]) if statistics.median(tps[mode]) else 0.0
+        accounts.append({"mode": mode, "rows": 1, "account": acct, "timed_ms_per_token": timed_ms})
+    ex.drafter = drafter
     stats = [s for _, s in runs["spec"]]
     plain, spec = statistics.median(tps["plain"]), statistics.median(tps["spec"])
     emit(
@@ -50,6 +57,7 @@ def bench_spec_leader(engine: Engine, task: BenchTask, emit) -> None:
         world_size=size,
         parallel=parallel,
         spec_k=drafter.k,
+        accounts=accounts,
         plain_decode_tps=tps["plain"],
         spec_decode_tps=tps["spec"],
         speedup=spec / plain if plain else 0.0,
@@ -101,12 +109,20 @@ def bench_spec_batch(engine: Engine, task: BenchTask, rows: int) -> dict:
                 run = run_batch(engine, prompts, WARMUP_TOKENS if warm else task.max_tokens)
                 if not warm:
                     runs[mode].append((run, ex.spec_stats))
-    ex.drafter, drafter.max_rows = drafter, limit
-    stats = [s for _, s in runs["spec"]]
-    result: dict = {"rows": rows}
+    result: dict = {"rows": rows, "accounts": []}
     for mode, rs in runs.items():
         for key in ("total_tps", "decode_tps"):
             result[f"{mode}_{key}"] = [r[key] for r, _ in rs]
+        ex.drafter, ex.spec_stats = (drafter if mode == "spec" else None), SpecStats()
+        acct = accounted(engine, lambda: run_batch(engine, prompts, task.max_tokens))
+        # Per row's token: a step delivers a token to each row.
+        tps = statistics.median(result[f"{mode}_decode_tps"])
+        timed = 1e3 / tps if tps else 0.0
+        result["accounts"].append(
+            {"mode": mode, "rows": rows, "account": acct, "timed_ms_per_token": timed}
+        )
+    ex.drafter, drafter.max_rows = drafter, limit
+    stats = [s for _, s in runs["spec"]]
     result["acceptance"] = sum(s.accepted for s in stats) / max(1, sum(s.proposed for s in stats))
     result["tokens_per_step"] = sum(s.emitted for s in stats) / max(1, sum(s.steps for s in stats))
     tokens = {str(r["tokens"]) for rs in runs.values() for r, _ in rs}
@@ -163,6 +179,11 @@ def run_spec_bench(
         console.print(table)
     if any(r.get("batching") for r in results):
         print_batching(results, spec_k, console)
+    batched = [
+        {**r, "accounts": [a for b in r.get("batching", []) for a in b.get("accounts", [])]}
+        for r in results
+    ]
+    print_accounts([r for r in results if r.get("accounts")] + batched, console)
     return results
 
 

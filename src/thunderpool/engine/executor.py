@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 
+from thunderpool.engine.account import StepAccount
 from thunderpool.engine.batch import BatchState, overlaps
 from thunderpool.engine.control import Control
 from thunderpool.engine.logits import TokenLogprob
@@ -77,6 +78,8 @@ class Executor:
         self._first_logits: mx.array | None = None
         # Leader: called with (sids, logits (B, V)) as their tokens are delivered (traces).
         self.on_logits: Callable[[list[int], mx.array], None] | None = None
+        # Leader: where each decode step's time goes, part by part (bench turns it on).
+        self.account: StepAccount | None = None
 
     def execute(self, plan: StepPlan, sink: Sink | None = None):
         """Runs `plan` on this rank; `sink` (leader only) takes the sampled tokens."""
@@ -174,25 +177,42 @@ class Executor:
         rows, y = len(samplers), self.next
         logits = self._first_logits if fresh is not None else None
         pending = ([fresh], y[-1:], logits) if fresh is not None else None
-        if self.pipeline:
+        acct = self.account  # accounted steps run one part after the other (account.py)
+        pipeline = self.pipeline and acct is None
+        if pipeline:
             mx.async_eval(y)
         last = False
         while not last:
-            if not self.pipeline and pending:
+            if acct:
+                acct.begin(rows)
+            if not pipeline and pending:
                 self._deliver(sink, *pending)
+                if acct:
+                    acct.mark("deliver")
             last = sink.last_step()
+            if acct:
+                acct.mark("host")
             exchanged = self.control.burst_step(y, rows, last)
+            if acct:
+                acct.mark("exchange", exchanged)
             logits = self.state.decode(exchanged[1:])
+            if acct:
+                acct.mark("forward", logits)
             if self._feeds_hidden():
                 for row, sid in enumerate(self.state.rows):
                     self.drafter.observe(sid, self.runner.hidden[row])
             nxt = sample_rows(logits, samplers)
-            if self.pipeline:
+            if acct:
+                acct.mark("sample", nxt)
+            if pipeline:
                 mx.async_eval(nxt)
                 if pending:
                     self._deliver(sink, *pending)
             pending, y = (list(self.state.rows), nxt, logits), nxt
         self._deliver(sink, *pending)
+        if acct:
+            acct.mark("deliver")
+            acct.end()
         self.next, self._first_logits = y, None
 
     def _feeds_hidden(self) -> bool:
@@ -201,6 +221,8 @@ class Executor:
 
     def _deliver(self, sink: Sink, sids: list[int], y: mx.array, logits) -> None:
         tokens = y.tolist()
+        if self.account is not None:
+            self.account.delivered(len(tokens))
         if self.drafter is not None:
             for sid, token in zip(sids, tokens, strict=True):
                 self.drafter.extend(sid, [token])

@@ -310,33 +310,50 @@ def lead(executor: Executor, k: int, sink, fresh: int | None) -> None:
         mx.eval(ex.next)
         ex._deliver(sink, [fresh], ex.next[-1:], ex._first_logits)
     t0s, trims = ex.next.tolist(), [0] * B
+    acct = ex.account  # bench's step account: each part evaluated at its end (account.py)
     go = True
     while go:
         last, room = sink.spec_budget()
         if room <= 0:
             break
         n = min(k, room - 1)
+        if acct:  # the host's part: since the last step's end, the budget's question included
+            acct.begin(B)
         proposals = _propose(
             drafter, [sids[i] for i in drafted], n, [samplers[i].params for i in drafted]
         )
+        if acct:
+            acct.mark("draft")
         drafts = [[0] * n for _ in range(B)]
         for i, (d, _) in zip(drafted, proposals, strict=True):
             drafts[i] = d
         flat = [x for d in drafts for x in (*d, *[0] * (k - n))]
         ex.control.share_ints([1, n, *trims, *t0s, *flat], _width(B, k))
+        if acct:
+            acct.mark("exchange")
         ex.state.trim_rows(trims)
+        if acct:
+            acct.mark("trim", *[a for c in ex.state.batch for a in (c.keys, c.values)])
         tokens = mx.array([[t0, *d] for t0, d in zip(t0s, drafts, strict=True)])
         logits = ex.state.verify(tokens)  # (B, n+1, V)
+        if acct:
+            acct.mark("forward", logits)
         outs = _accept(ex, sids, samplers, drafted, proposals, drafts, logits)
+        if acct:
+            acct.mark("accept")
         for j in range(max(len(o) for o in outs)):  # one delivery per position
             at = [i for i, o in enumerate(outs) if j < len(o)]
             token = mx.array([outs[i][j] for i in at])
             ex._deliver(sink, [sids[i] for i in at], token, logits[mx.array(at), j])
+        if acct:
+            acct.mark("deliver")
         for i in drafted:
             accepted = len(outs[i]) - 1
             drafter.settle(sids[i], n, accepted)
             stats.steps, stats.proposed = stats.steps + 1, stats.proposed + n
             stats.accepted, stats.emitted = stats.accepted + accepted, stats.emitted + len(outs[i])
+        if acct:
+            acct.mark("settle")
         if ex.runner.keep_hidden:  # an MTP draft reads every row's kept positions' states
             for i, o in enumerate(outs):
                 drafter.observe(sids[i], ex.runner.hidden[i, : len(o)])
@@ -344,6 +361,8 @@ def lead(executor: Executor, k: int, sink, fresh: int | None) -> None:
     ex.control.share_ints([0, 0, *trims, *[0] * (B * (k + 1))], _width(B, k))
     ex.state.trim_rows(trims)
     ex.next, ex._first_logits = mx.array(t0s), None
+    if acct:
+        acct.end()
 
 
 def _accept(ex, sids, samplers, drafted, proposals, drafts, logits) -> list[list[int]]:
