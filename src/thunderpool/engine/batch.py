@@ -111,6 +111,11 @@ class BatchState:
             self.batch, self.lone = caches, True
         else:
             if self.lone:
+                if self.runner.kv_bits is not None:  # the job and the CLI refuse it first
+                    raise RuntimeError(
+                        f"kv_bits {self.runner.kv_bits}: a quantized KV cache does not batch; "
+                        "run with max_batch 1"
+                    )
                 self.batch, self.lone = [c.merge([c]) for c in self.batch], False
             for cache, new in zip(self.batch, caches, strict=True):
                 cache.extend(new.merge([new]))

@@ -79,6 +79,10 @@ class RankJob(_Frozen):
     groups: tuple[int, ...] | None = None
     stage: int = Field(0, ge=0)
     handoff: tuple[str, ...] = ()
+    # KV-cache quantization (engine/kv_quant.py): every rank quantizes its own heads and
+    # layers alike, from the first token; None keeps the cache at the model's float type.
+    kv_bits: Literal[4, 8] | None = None
+    kv_group_size: Literal[32, 64, 128] = 64
     task: Task
 
     @model_validator(mode="after")
@@ -97,6 +101,21 @@ class RankJob(_Frozen):
                 raise ValueError("expert parallelism does not run inside hybrid groups yet")
         elif self.groups:
             raise ValueError(f"groups {self.groups} are for parallel 'hybrid' only")
+        return self
+
+    @model_validator(mode="after")
+    def _kv_bits_unbatched(self) -> RankJob:
+        # mlx-lm's quantized cache has no batch form: rows could not join one decode batch.
+        rows = 1
+        if isinstance(self.task, ServeTask):
+            rows = self.task.max_batch
+        elif isinstance(self.task, BenchTask):
+            rows = max(self.task.concurrency, default=1)
+        if self.kv_bits is not None and rows > 1:
+            raise ValueError(
+                f"kv_bits {self.kv_bits} runs one sequence at a time (mlx-lm's quantized "
+                f"cache does not batch), not {rows} rows; use max_batch 1 or drop kv_bits"
+            )
         return self
 
     def mlx_world(self) -> int:
