@@ -16,10 +16,12 @@ from thunderpool.cli_flags import (
     add_backend,
     add_compile,
     add_groups,
+    add_kv_bits,
     add_layout,
     add_replication,
     add_speculation,
     check_hybrid,
+    check_kv_bits,
     check_replication,
     parse_floats,
     parse_ints,
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_layout(gen)
     add_speculation(gen)
+    add_kv_bits(gen)
     gen.add_argument("--prompt", required=True, help="the user message")
     gen.add_argument("--max-tokens", type=parse_positive, default=256)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -85,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(repeatable; '*' allows any; default: none)",
     )
     srv.add_argument(
-        "--max-batch", type=parse_positive, default=8, help="requests decoded together (default 8)"
+        "--max-batch",
+        type=parse_positive,
+        help="requests decoded together (default 8; 1 with --kv-bits)",
     )
     srv.add_argument(
         "--max-context",
@@ -99,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="add each prompt's text to its access-log line (off: prompts stay private)",
     )
     add_speculation(srv)
+    add_kv_bits(srv)
     srv.add_argument(
         "--prefix-cache-gb",
         type=float,
@@ -308,6 +314,7 @@ def _main(argv: list[str] | None) -> int:
                 "drop --expert-split"
             )
         check_hybrid(args)
+        check_kv_bits(args)
         match args.command:
             case "generate":
                 from thunderpool.commands import generate
