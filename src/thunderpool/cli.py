@@ -21,7 +21,6 @@ from thunderpool.cli_flags import (
     add_replication,
     add_speculation,
     check_hybrid,
-    check_kv_bits,
     check_replication,
     parse_floats,
     parse_ints,
@@ -88,9 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(repeatable; '*' allows any; default: none)",
     )
     srv.add_argument(
-        "--max-batch",
-        type=parse_positive,
-        help="requests decoded together (default 8; 1 with --kv-bits)",
+        "--max-batch", type=parse_positive, default=8, help="requests decoded together (default 8)"
     )
     srv.add_argument(
         "--max-context",
@@ -314,7 +311,6 @@ def _main(argv: list[str] | None) -> int:
                 "drop --expert-split"
             )
         check_hybrid(args)
-        check_kv_bits(args)
         match args.command:
             case "generate":
                 from thunderpool.commands import generate

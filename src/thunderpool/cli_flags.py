@@ -222,9 +222,9 @@ def add_kv_bits(p: argparse.ArgumentParser) -> None:
         type=int,
         choices=(8, 4),
         help="store the KV cache quantized to 8 or 4 bits (mlx-lm's QuantizedKVCache, alike "
-        "on every rank and in the prefix cache): about 0.53x / 0.28x the memory of a 16-bit "
-        "cache per context token; one sequence at a time (serve: --max-batch 1); refused for "
-        "sliding-window and recurrent caches (default: unquantized)",
+        "on every rank, in batches and in the prefix cache): about 0.53x / 0.28x the memory of "
+        "a 16-bit cache per context token; refused for sliding-window, recurrent and latent "
+        "caches (default: unquantized)",
     )
     p.add_argument(
         "--kv-group-size",
@@ -233,19 +233,3 @@ def add_kv_bits(p: argparse.ArgumentParser) -> None:
         default=64,
         help="--kv-bits: values per scale and bias, along a head (default 64, as mlx-lm)",
     )
-
-
-def check_kv_bits(args: argparse.Namespace) -> None:
-    """--kv-bits runs one sequence at a time: serve's --max-batch defaults to 1 with it, and an
-    explicit larger batch is refused (mlx-lm's quantized cache has no batch form)."""
-    bits = getattr(args, "kv_bits", None)
-    if not hasattr(args, "max_batch"):
-        return
-    if args.max_batch is None:
-        args.max_batch = 8 if bits is None else 1
-    elif bits is not None and args.max_batch > 1:
-        raise ThunderpoolError(
-            f"--kv-bits {bits} decodes one sequence at a time (mlx-lm's quantized KV cache "
-            f"does not batch), and --max-batch {args.max_batch} asks for {args.max_batch}; "
-            "use --max-batch 1, or drop --kv-bits"
-        )

@@ -1,7 +1,7 @@
 """--kv-bits: a quantized KV cache agrees with the plain one on the embedded SmolLM2 (8-bit:
->= 95% of 256 greedy tokens), gives exactly one rank's tokens on TP2 and PP2 with the prefix
-cache reusing quantized entries, speculates exactly, holds the bytes per context token the
-planner counts, and is refused where a cache cannot be quantized or would have to batch."""
+>= 95% of 256 greedy tokens), gives exactly one rank's tokens on TP2 and PP2 with batched rows
+and the prefix cache reusing quantized entries, batches and speculates exactly, holds the bytes
+per context token the planner counts, and is refused where a cache cannot be quantized."""
 
 from __future__ import annotations
 
@@ -17,14 +17,11 @@ from batch_ranks import run_ranks
 from conftest import make_tiny, run_trace
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlx_lm.utils import load_model
-from pydantic import ValidationError
 
 from thunderpool.bench.synthetic import write_truncated
-from thunderpool.cli import main
 from thunderpool.engine import kv_quant
 from thunderpool.engine.control import Control
 from thunderpool.engine.engine import Engine
-from thunderpool.engine.job import RankJob, ServeTask
 from thunderpool.engine.loader import Layout, load_shard, read_config
 from thunderpool.engine.prefix import kv_bytes_per_token
 from thunderpool.engine.prefix_kv import PrefixStore
@@ -90,29 +87,27 @@ def resolve_embedded() -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "parallel, budget, cached",
-    [("tp", 4096, [0, 40, 48]), ("pp", 4096, [0, 40, 48])],
-    ids=["tp2", "pp2"],
+    "parallel, cached", [("tp", [0, 40, 48, 40]), ("pp", [0, 40, 48, 40])], ids=["tp2", "pp2"]
 )
-def test_two_ranks_with_the_prefix_cache_equal_one_rank(
-    hd64, alone, tmp_path, parallel, budget, cached
+def test_two_ranks_batching_on_the_prefix_cache_equal_one_rank(
+    hd64, alone, tmp_path, parallel, cached
 ):
     shared = tokens(40, 1)
     first = shared + tokens(8, 2)
     turn2 = first + alone(first) + tokens(5, 3)
-    prompts = [first, shared + tokens(11, 4), turn2]
+    prompts = [first, shared + tokens(11, 4), turn2, shared + tokens(3, 5)]
     requests = [
         {"prompt": prompts[0], "params": GREEDY},
-        {"prompt": prompts[1], "params": GREEDY, "after": [0, MAX_TOKENS]},
-        {"prompt": prompts[2], "params": GREEDY, "after": [1, MAX_TOKENS]},  # turn 2
+        {"prompt": prompts[1], "params": GREEDY},  # batched with request 0
+        {"prompt": prompts[2], "params": GREEDY, "after": [0, MAX_TOKENS]},  # turn 2
+        {"prompt": prompts[3], "params": GREEDY, "after": [1, 2]},  # joins mid-burst
     ]
     spec = {
         "model": str(hd64),
         "parallel": parallel,
         "prefill_chunk": 16,
-        "max_batch": 1,
         "kv_bits": 8,
-        "prefix_cache_tokens": budget,
+        "prefix_cache_tokens": 4096,
         "requests": requests,
     }
     got = run_ranks(spec, tmp_path)["out"]
@@ -146,6 +141,23 @@ def test_a_kept_quantized_prefix_restores_exactly(hd64):
         store.restore(0, 20, [KVCache() for _ in cache])
 
 
+def test_merging_quantized_rows_equals_extending_by_each():
+    rows = []
+    for n, seed in ((5, 1), (11, 2), (8, 3)):
+        c = QuantizedKVCache(64, 8)
+        k, v = (mx.random.normal((1, 2, n, 64), key=mx.random.key(seed + i)) for i in (0, 9))
+        c.update_and_fetch(k, v)
+        rows.append(c)
+    merged = kv_quant.merge(rows)
+    grown = kv_quant.merge(rows[:1])
+    for c in rows[1:]:
+        grown.extend(kv_quant.merge([c]))
+    assert merged.left_padding.tolist() == grown.left_padding.tolist() == [6, 0, 3]
+    assert merged.offset.tolist() == grown.offset.tolist() == [5, 11, 8]
+    for a, b in zip((*merged.keys, *merged.values), (*grown.keys, *grown.values), strict=True):
+        assert mx.array_equal(a, b[..., : merged._idx, :])
+
+
 def test_speculation_on_a_quantized_cache_gives_the_plain_tokens(hd64, alone, tmp_path):
     runner, _, _ = load_shard(hd64, mx.distributed.init(), Layout(kv_bits=8))
     drafter = Drafter(load_model(write_truncated(hd64, 2, tmp_path / "cut"))[0], k=3)
@@ -155,6 +167,18 @@ def test_speculation_on_a_quantized_cache_gives_the_plain_tokens(hd64, alone, tm
         engine.generate(prompt, params, lambda ev, out=out: out.append(ev.token))
         assert out == alone(prompt, 16)
         assert engine.executor.spec_stats.steps > 0
+    # Three rows at once: a batched verify step cuts each row's rejected tail (trim_rows).
+    prompts = [tokens(n, 30 + n) for n in (7, 19, 13)]
+    engine, out = Engine(runner, Control(runner.group), drafter=drafter), {}
+    for i, prompt in enumerate(prompts):
+        out[i] = []
+        params = SamplingParams(temperature=0.0, max_tokens=16)
+        engine.submit(prompt, params, lambda ev, i=i: out[i].append(ev.token))
+    while engine.step():
+        pass
+    assert [out[i] for i in range(3)] == [alone(p, 16) for p in prompts]
+    stats = engine.executor.spec_stats
+    assert stats.steps > 0 and 0 < stats.accepted < stats.proposed  # uneven tails were cut
 
 
 def test_pp_quantizes_only_its_own_layers(hd64):
@@ -198,11 +222,31 @@ def test_a_group_that_fits_the_head_is_named():
     kv_quant.check(model, 4, 32)
 
 
-def test_kv_bits_refuse_to_batch(capsys):
-    with pytest.raises(ValidationError, match="kv_bits 8 runs one sequence at a time"):
-        RankJob(model_dir="m", kv_bits=8, task=ServeTask(model_name="m", max_batch=2))
-    RankJob(model_dir="m", kv_bits=8, task=ServeTask(model_name="m", max_batch=1))
-    assert main(["serve", "--kv-bits", "4", "--max-batch", "4"]) == 2
-    err = capsys.readouterr().err
-    assert "--kv-bits 4 decodes one sequence at a time" in err
-    assert "use --max-batch 1, or drop --kv-bits" in err
+def test_a_quantized_batch_equals_each_row_alone(hd64, alone):
+    """Rows join a running batch and leave it (filter, extend, merge of quantized rows)."""
+    runner, _, _ = load_shard(hd64, mx.distributed.init(), Layout(kv_bits=4))
+    engine = Engine(runner, Control(runner.group), prefill_chunk=16)
+    prompts = [tokens(n, 20 + n) for n in (9, 30, 17)]
+    lengths, out, seen = (12, 5, 9), {}, set()
+
+    def submit(i: int) -> None:
+        out[i] = []
+        params = SamplingParams(temperature=0.0, max_tokens=lengths[i])
+        engine.submit(prompts[i], params, lambda ev: on_token(i, ev.token))
+
+    def on_token(i: int, token: int) -> None:
+        out[i].append(token)
+        seen.add(type(engine.executor.state.batch[0]) if engine.executor.state.batch else None)
+        if i == 0 and len(out[0]) == 3:
+            submit(2)  # joins the running batch mid-burst
+
+    submit(0)
+    submit(1)
+    while engine.step():
+        pass
+    assert kv_quant.BatchQuantizedKVCache in seen
+    for i, prompt in enumerate(prompts):
+        one, got = Engine(runner, Control(runner.group), prefill_chunk=16), []
+        params = SamplingParams(temperature=0.0, max_tokens=lengths[i])
+        one.generate(prompt, params, lambda ev, got=got: got.append(ev.token))
+        assert out[i] == got

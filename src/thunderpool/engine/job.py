@@ -103,21 +103,6 @@ class RankJob(_Frozen):
             raise ValueError(f"groups {self.groups} are for parallel 'hybrid' only")
         return self
 
-    @model_validator(mode="after")
-    def _kv_bits_unbatched(self) -> RankJob:
-        # mlx-lm's quantized cache has no batch form: rows could not join one decode batch.
-        rows = 1
-        if isinstance(self.task, ServeTask):
-            rows = self.task.max_batch
-        elif isinstance(self.task, BenchTask):
-            rows = max(self.task.concurrency, default=1)
-        if self.kv_bits is not None and rows > 1:
-            raise ValueError(
-                f"kv_bits {self.kv_bits} runs one sequence at a time (mlx-lm's quantized "
-                f"cache does not batch), not {rows} rows; use max_batch 1 or drop kv_bits"
-            )
-        return self
-
     def mlx_world(self) -> int:
         """The size of this rank's MLX world: all ranks, or its stage's group (hybrid)."""
         return self.groups[self.stage] if self.groups else self.world_size
