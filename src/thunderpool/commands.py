@@ -179,6 +179,11 @@ def _print_summary(console: Console, done: dict, loaded: dict, peaks: dict) -> N
         f"({done['prompt_tokens']} tokens) | decode {done['decode_tps']:.1f} tok/s "
         f"({done['generated_tokens']} tokens) | finish: {done['finish_reason']}"
     )
+    if done.get("kv_bytes_per_token"):
+        console.print(
+            f"KV cache: {done['kv_bytes_per_token'] / 1024:.1f} KiB per context token over all "
+            "ranks" + (f" ({done['kv_bits']}-bit)" if done.get("kv_bits") else "")
+        )
     if "spec_steps" in done:
         console.print(
             f"speculative: {done['spec_steps']} verify steps, acceptance "

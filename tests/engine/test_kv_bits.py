@@ -250,3 +250,12 @@ def test_a_quantized_batch_equals_each_row_alone(hd64, alone):
         params = SamplingParams(temperature=0.0, max_tokens=lengths[i])
         one.generate(prompt, params, lambda ev, got=got: got.append(ev.token))
         assert out[i] == got
+
+
+def test_generate_refuses_before_any_rank_starts(tiny_models, capsys):
+    from thunderpool.cli import main
+
+    argv = ["generate", "--model", str(tiny_models["qwen3"]), "--nodes", "1", "--prompt", "x"]
+    assert main([*argv, "--kv-bits", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--kv-bits 8: qwen3's head width 16 is not a multiple of --kv-group-size 64" in err
