@@ -2,7 +2,7 @@
 a process of its own with the ranks' fast BLAS: `python kv_agreement.py OUT.json BITS...`.
 
 The plain cache's greedy answer (the engine's decode) is the reference. Each cache then reads
-the prompt and that answer in one forward, and its greedy token at every position is compared
+the prompt and that answer (a chunked prefill), and its greedy token at every position is compared
 with the reference's next token: teacher-forced, so one early near-tie does not make every
 later position differ. The state bytes per context token are read from the filled caches.
 """
@@ -30,6 +30,8 @@ from thunderpool.engine.sampling import SamplingParams
 from thunderpool.models.source import resolve_model
 
 TOKENS = 256
+# Read in chunks, as a prefill is: longer products can stall a CPU whose cores are busy.
+CHUNK = 64
 QUESTION = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -47,9 +49,11 @@ def main(out: str, bits: list[int]) -> None:
     result = {"reference": reference, "agreement": {}, "bytes_per_token": {}}
     for b in [None, *bits]:
         runner.kv_bits = b  # make_cache reads it: the same weights, another cache
-        cache = runner.make_cache()
-        logits = runner.verify(mx.array([prompt + reference[:-1]]), cache)
-        greedy = np.array(mx.argmax(logits[0, len(prompt) - 1 :], axis=-1))
+        cache, seq, greedy = runner.make_cache(), prompt + reference[:-1], []
+        for i in range(0, len(seq), CHUNK):
+            logits = runner.verify(mx.array([seq[i : i + CHUNK]]), cache)
+            greedy.extend(mx.argmax(logits[0], axis=-1).tolist())
+        greedy = np.array(greedy[len(prompt) - 1 :])
         key = str(b or "plain")
         result["agreement"][key] = float(np.mean(greedy == np.array(reference)))
         result["bytes_per_token"][key] = kv_quant.bytes_per_token(cache)
