@@ -1,7 +1,8 @@
 """--kv-bits: a quantized KV cache agrees with the plain one on the embedded SmolLM2 (8-bit:
->= 95% of 256 greedy tokens), gives exactly one rank's tokens on TP2 and PP2 with batched rows
-and the prefix cache reusing quantized entries, batches and speculates exactly, holds the bytes
-per context token the planner counts, and is refused where a cache cannot be quantized."""
+>= 95% of 256 greedy tokens), gives exactly one rank's tokens on TP2, PP2 and hybrid with
+batched rows and the prefix cache reusing quantized entries, batches and speculates exactly,
+holds the bytes per context token the planner counts, and is refused where a cache cannot be
+quantized."""
 
 from __future__ import annotations
 
@@ -87,10 +88,12 @@ def resolve_embedded() -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "parallel, cached", [("tp", [0, 40, 48, 40]), ("pp", [0, 40, 48, 40])], ids=["tp2", "pp2"]
+    "parallel, layout",
+    [("tp", {}), ("pp", {}), ("hybrid", {"groups": [1, 1], "layer_split": [3, 1]})],
+    ids=["tp2", "pp2", "hybrid1x1"],
 )
 def test_two_ranks_batching_on_the_prefix_cache_equal_one_rank(
-    hd64, alone, tmp_path, parallel, cached
+    hd64, alone, tmp_path, parallel, layout
 ):
     shared = tokens(40, 1)
     first = shared + tokens(8, 2)
@@ -109,10 +112,11 @@ def test_two_ranks_batching_on_the_prefix_cache_equal_one_rank(
         "kv_bits": 8,
         "prefix_cache_tokens": 4096,
         "requests": requests,
+        **layout,
     }
     got = run_ranks(spec, tmp_path)["out"]
     assert [o["tokens"] for o in got] == [alone(p) for p in prompts]
-    assert [o["cached"] for o in got] == cached
+    assert [o["cached"] for o in got] == [0, 40, 48, 40]
 
 
 @pytest.mark.slow
