@@ -1,5 +1,5 @@
 """--kv-bits: a quantized KV cache agrees with the plain one on the embedded SmolLM2 (8-bit:
->= 95% of 256 greedy tokens), gives exactly one rank's tokens on TP2, PP2 and hybrid with
+>= 95% of 256 greedy tokens), gives exactly one rank's tokens on TP2, PP2, hybrid and EP with
 batched rows and the prefix cache reusing quantized entries, batches and speculates exactly,
 holds the bytes per context token the planner counts, and is refused where a cache cannot be
 quantized."""
@@ -117,6 +117,27 @@ def test_two_ranks_batching_on_the_prefix_cache_equal_one_rank(
     got = run_ranks(spec, tmp_path)["out"]
     assert [o["tokens"] for o in got] == [alone(p) for p in prompts]
     assert [o["cached"] for o in got] == [0, 40, 48, 40]
+
+
+@pytest.mark.slow
+def test_expert_parallel_batching_equals_one_rank(tmp_path_factory, tmp_path):
+    moe = make_tiny("qwen3_moe", tmp_path_factory.mktemp("kv") / "moe-hd64", head_dim=64)
+    runner, _, _ = load_shard(moe, mx.distributed.init(), Layout(kv_bits=8))
+    prompts = [tokens(20, 12), tokens(9, 13)]
+    want = []
+    for prompt in prompts:
+        want.append([])
+        Engine(runner, Control(runner.group), prefill_chunk=16).generate(
+            prompt, SamplingParams(**GREEDY), lambda ev: want[-1].append(ev.token)
+        )
+    spec = {
+        "model": str(moe),
+        "parallel": "ep",
+        "prefill_chunk": 16,
+        "kv_bits": 8,
+        "requests": [{"prompt": p, "params": GREEDY} for p in prompts],  # batched
+    }
+    assert [o["tokens"] for o in run_ranks(spec, tmp_path)["out"]] == want
 
 
 @pytest.mark.slow
