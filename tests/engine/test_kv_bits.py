@@ -240,6 +240,27 @@ def test_caches_that_cannot_be_quantized_are_refused(kind, message):
     kv_quant.check(build(kind), None)  # unquantized, every family runs
 
 
+def test_an_attention_that_reads_its_cache_itself_is_refused():
+    """mlx-lm's gemma2 soft-caps its scores in its own attention: a quantized cache would
+    reach it as (words, scales, biases)."""
+    from mlx_lm.utils import _get_classes
+
+    config = {
+        "model_type": "gemma2",
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "intermediate_size": 96,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 256,
+    }
+    model_cls, args_cls = _get_classes(config)
+    with pytest.raises(ShardingError, match="^--kv-bits 4: gemma2's attention does not read"):
+        kv_quant.check(model_cls(args_cls.from_dict(config)), 4)
+
+
 def test_a_group_that_fits_the_head_is_named():
     model = build("qwen3", {"head_dim": 32})
     with pytest.raises(ShardingError, match="use --kv-group-size 32$"):

@@ -47,7 +47,7 @@ def check(model: nn.Module, bits: int | None, group_size: int = 64) -> None:
                 "(sliding-window, recurrent or compressed), which mlx-lm cannot quantize; "
                 "drop --kv-bits"
             )
-    if getattr(model.args, "kv_lora_rank", None):
+    if getattr(getattr(model, "args", None), "kv_lora_rank", None):
         # MLA caches a latent that the attention projects on, outside the quantized matmuls.
         raise ShardingError(
             f"{flag}: {family} caches a compressed latent (MLA), which its attention reads "
@@ -70,8 +70,8 @@ def check(model: nn.Module, bits: int | None, group_size: int = 64) -> None:
 
 def _reads_quantized(model: nn.Module) -> bool:
     """Whether a module of a decoder layer calls mlx-lm's cache-aware attention function."""
-    layer = model.layers[0]
-    for _, m in layer.named_modules():
+    layers = getattr(model, "layers", None) or [nn.Module()]
+    for _, m in layers[0].named_modules():
         found = getattr(sys.modules.get(type(m).__module__), "scaled_dot_product_attention", None)
         if found is scaled_dot_product_attention:
             return True
