@@ -3,7 +3,8 @@
 A scenario is JSON: requests (token prompts, sampling) that arrive when a given request has
 emitted n tokens, cancellations at a request's n-th token, an optional eos override, and
 `pipeline` (None: each rank's default, batch.overlaps), and `draft` (a draft model dir: the
-leader speculates `spec_k` tokens per row, speculate.py). Arrivals
+leader speculates `spec_k` tokens per row, speculate.py), and `kv_bits` (every rank's KV
+cache quantized, kv_quant.py). Arrivals
 and cancellations happen inside the emit callback, so inside a decode burst when one runs.
 `run_ranks` starts the rank processes (MLX ring on loopback, with a timeout) of any layout
 (`parallel`, `layer_split`); rank 0 drives the Engine and the others follow:
@@ -145,6 +146,7 @@ def run_batch(spec: dict, group, stage: int = 0) -> dict | None:
         groups=groups,
         stage=stage,
         handoff=tuple(spec.get("handoff", ())),
+        kv_bits=spec.get("kv_bits"),
     )
     runner, config, _ = load_shard(model, group, layout)
     control = control_for(runner)

@@ -66,9 +66,10 @@ TINY = {
 }
 
 
-def make_tiny(kind: str, path: Path, seed: int = 0) -> Path:
-    """Write a random checkpoint with Hugging Face tensor names (experts unstacked)."""
-    config = TINY[kind]
+def make_tiny(kind: str, path: Path, seed: int = 0, **config_fields) -> Path:
+    """Write a random checkpoint with Hugging Face tensor names (experts unstacked);
+    `config_fields` change the shape of `kind`."""
+    config = {**TINY[kind], **config_fields}
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))

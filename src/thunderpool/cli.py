@@ -16,6 +16,7 @@ from thunderpool.cli_flags import (
     add_backend,
     add_compile,
     add_groups,
+    add_kv_bits,
     add_layout,
     add_replication,
     add_speculation,
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_layout(gen)
     add_speculation(gen)
+    add_kv_bits(gen)
     gen.add_argument("--prompt", required=True, help="the user message")
     gen.add_argument("--max-tokens", type=parse_positive, default=256)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -99,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="add each prompt's text to its access-log line (off: prompts stay private)",
     )
     add_speculation(srv)
+    add_kv_bits(srv)
     srv.add_argument(
         "--prefix-cache-gb",
         type=float,

@@ -37,7 +37,13 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
     expert_split = getattr(args, "expert_split", None)
     replicas = replica_fields(args, model_dir, nodes)
     layout = Layout(
-        parallel, args.tp_weights, args.layer_split, expert_split, groups=groups, **replicas
+        parallel,
+        args.tp_weights,
+        args.layer_split,
+        expert_split,
+        groups=groups,
+        **replicas,
+        **kv_fields(args),
     )
     config = preflight(model_dir, nodes, layout)
     guard(config, nodes, parallel, args.allow_untested)
@@ -68,6 +74,14 @@ def replica_fields(args: argparse.Namespace, model_dir: Path, nodes: int) -> dic
         model_dir, nodes, copies, args.routing, args.tp_weights, list(split) if split else None
     )
     return {"expert_replicas": replicas}
+
+
+def kv_fields(args: argparse.Namespace) -> dict:
+    """RankJob fields of --kv-bits/--kv-group-size (every rank quantizes its KV cache alike)."""
+    bits = getattr(args, "kv_bits", None)
+    if bits is None:
+        return {}
+    return {"kv_bits": bits, "kv_group_size": args.kv_group_size}
 
 
 def draft_fields(args: argparse.Namespace) -> dict:
@@ -112,6 +126,7 @@ def generate(args: argparse.Namespace) -> int:
             compile=args.compile,
             **layout,
             **draft_fields(args),
+            **kv_fields(args),
         )
 
     instance, name = _instance(args, make_job, args.timeout)
@@ -164,6 +179,11 @@ def _print_summary(console: Console, done: dict, loaded: dict, peaks: dict) -> N
         f"({done['prompt_tokens']} tokens) | decode {done['decode_tps']:.1f} tok/s "
         f"({done['generated_tokens']} tokens) | finish: {done['finish_reason']}"
     )
+    if done.get("kv_bytes_per_token"):
+        console.print(
+            f"KV cache: {done['kv_bytes_per_token'] / 1024:.1f} KiB per context token over all "
+            "ranks" + (f" ({done['kv_bits']}-bit)" if done.get("kv_bits") else "")
+        )
     if "spec_steps" in done:
         console.print(
             f"speculative: {done['spec_steps']} verify steps, acceptance "

@@ -71,6 +71,8 @@ def run(job: RankJob) -> None:
         groups=job.groups,
         stage=job.stage,
         handoff=job.handoff,
+        kv_bits=job.kv_bits,
+        kv_group_size=job.kv_group_size,
     )
     # Hybrid: events name the global rank (stage by stage), as the launcher counts them.
     progress = load_progress(group.rank() + sum((job.groups or ())[: job.stage]))

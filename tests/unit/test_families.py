@@ -262,6 +262,8 @@ def test_plan_command_shows_verified_layouts_and_marks(monkeypatch, tmp_path, ca
     )
     assert "untested" in out
     assert "winner: single over" in out  # what --cluster would launch
+    # LLAMA_8B's KV: K and V of 8 heads x 128 in bf16 over 32 layers, priced as the plans are.
+    assert "KV cache per context token: 128.0 KiB over all ranks (16-bit;" in out
     assert main(["plan", "--model", str(model), "--allow-untested"]) == 0
     assert f"winner: {plans[0].kind} over" in capsys.readouterr().out
 

@@ -6,7 +6,7 @@ import pytest
 
 from thunderpool.planner.cost import LinkSpec, NodeSpec, Stage, predict
 from thunderpool.planner.placement import PlacementError, explain, place
-from thunderpool.planner.spec import model_spec_from_config
+from thunderpool.planner.spec import kv_element_bytes, model_spec_from_config
 
 GiB = 2**30
 
@@ -116,6 +116,19 @@ def test_kv_cache_grows_with_context_and_concurrency(spec):
     kv_token = 2 * 8 * 128 * 2 * 32  # K and V, 8 KV heads of 128, fp16, 32 layers
     act_logits = 3 * 128256 * 4  # three more sequences' fp32 logits
     assert more - base == 3 * 4096 * kv_token + act_logits
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_kv_cache_is_priced_per_element_with_its_scales(spec, bits):
+    nodes = [mac("a")]
+    plain = place(spec, nodes, [], context_tokens=4096)[0]
+    element = kv_element_bytes(2.0, bits, 64)
+    assert element == bits / 8 + 2 * 2 / 64  # the values, then a bf16 scale and bias per 64
+    quant = place(spec, nodes, [], context_tokens=4096, kv_dtype_bytes=element)[0]
+    elements = 2 * 8 * 128 * 32  # K and V, 8 KV heads of 128, 32 layers
+    assert plain.kv_token_bytes == elements * 2
+    assert quant.kv_token_bytes == elements * element  # 8 bits: 34,816 B; 4 bits: 18,432 B
+    assert plain.memory_used["a"] - quant.memory_used["a"] == 4096 * elements * (2 - element)
 
 
 def test_hybrid_tp_inside_rdma_groups_pp_between(spec):

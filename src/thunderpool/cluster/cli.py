@@ -115,12 +115,15 @@ def add_plan_parser(sub) -> None:
         help="reserve a speculative draft on the leader (what `serve --draft-model` loads): "
         "a model dir, .gguf or hub id, or `mtp` (the model's own MTP layer)",
     )
+    from thunderpool.cli_flags import add_kv_bits
+
+    add_kv_bits(p)  # the KV cache priced as `serve --kv-bits` stores it
 
 
 def ranked_plans(args: argparse.Namespace, state: ClusterState):
     from thunderpool.cluster.remote_model import model_here_or_remote
     from thunderpool.planner.placement import place
-    from thunderpool.planner.spec import model_spec
+    from thunderpool.planner.spec import kv_element_bytes, model_spec
 
     # The coordinator needs only the config and headers: from a member if it lacks the model.
     spec = model_spec(model_here_or_remote(args.model, lambda: coordinator(args)))
@@ -133,6 +136,7 @@ def ranked_plans(args: argparse.Namespace, state: ClusterState):
         nodes,
         links,
         context_tokens=getattr(args, "context", 4096),
+        kv_dtype_bytes=kv_element_bytes(2.0, getattr(args, "kv_bits", None), _group(args)),
         concurrency=concurrency if isinstance(concurrency, int) else 1,
         prefix_cache_bytes=(getattr(args, "prefix_cache_gb", 0.0) or 0.0) * 2**30,
         routing={i: routing.popularity(i) for i in routing.layers} if routing else None,
@@ -140,6 +144,18 @@ def ranked_plans(args: argparse.Namespace, state: ClusterState):
         compiled=getattr(args, "compile", True) is not False,
         draft=draft,
     )
+
+
+def _group(args: argparse.Namespace) -> int:
+    return getattr(args, "kv_group_size", None) or 64
+
+
+def kv_line(args: argparse.Namespace, plans) -> str:
+    """The KV cache's bytes per context token as the plans reserve them."""
+    bits = getattr(args, "kv_bits", None)
+    how = f"{bits}-bit, group {_group(args)}" if bits else "16-bit; --kv-bits 8 or 4 shrinks it"
+    per_token = plans[0].kv_token_bytes / 1024 if plans else 0.0
+    return f"KV cache per context token: {per_token:.1f} KiB over all ranks ({how})"
 
 
 def _draft_spec(args: argparse.Namespace, spec):
@@ -176,6 +192,7 @@ def plan_main(args: argparse.Namespace) -> int:
     console = Console()
     console.print(table)
     console.print(budget_line(state), soft_wrap=True)
+    console.print(kv_line(args, plans), soft_wrap=True)
     console.print(verified_line(args.model, lambda: coordinator(args)), soft_wrap=True)
     # The winner is what `--cluster` would launch: verified plans only, unless allowed.
     runnable = [p for p in plans if p.verified or args.allow_untested]

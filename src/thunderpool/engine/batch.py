@@ -2,7 +2,8 @@
 
 Every rank applies the same plans (executor.py) in the same order, so the batch rows
 line up on every rank without ever shipping a cache. Prefill runs per sequence (B=1); the
-finished prefix cache then joins the decoding batch, which is left-padded (mlx-lm BatchKVCache).
+finished prefix cache then joins the decoding batch, which is left-padded (mlx-lm BatchKVCache;
+kv_quant.BatchQuantizedKVCache for --kv-bits).
 A lone row decodes on its own prefix cache (no padding mask, as mlx-lm's generate); it becomes
 a batch cache when a second row joins. A speculative verify step (speculate.py) leaves each
 row a different rejected tail: `trim_rows` cuts them (batch rows stay right-aligned).
@@ -13,6 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, dynamic_roll
 
+from thunderpool.engine.kv_quant import merge
 from thunderpool.engine.rowsplit import own_cores
 from thunderpool.engine.runner import Runner
 
@@ -42,21 +44,33 @@ def trim_rows(cache: list, trims: list[int]) -> None:
     for c in cache:
         assert isinstance(c, BatchKVCache), f"uneven trims need batch caches, not {type(c)}"
         idx = c._idx
-        for buf in (c.keys, c.values):
+        for buf in _buffers(c):
             buf[..., :idx, :] = dynamic_roll(buf[..., :idx, :], shift[:, None], axis=2)
         c.left_padding = c.left_padding + shift
         c.offset = c.offset - shift
     # The padding every row shares is dropped, so the batch does not grow with rejections.
     if (common := min(cache[0].left_padding.tolist())) > 0:
         for c in cache:
-            c.keys, c.values = c.keys[..., common:, :], c.values[..., common:, :]
+            k, v = c.keys, c.values
+            if isinstance(k, tuple):  # quantized: words, scales and biases alike
+                c.keys, c.values = (tuple(a[..., common:, :] for a in x) for x in (k, v))
+            else:
+                c.keys, c.values = k[..., common:, :], v[..., common:, :]
             c._idx -= common
             c.left_padding = c.left_padding - common
 
 
+def _buffers(c) -> tuple:
+    """A batch cache's key and value arrays (a quantized one's words, scales and biases)."""
+    if isinstance(c.keys, tuple):
+        return (*c.keys, *c.values)
+    return c.keys, c.values
+
+
 def rows_trimmable(cache: list) -> bool:
     """Whether trim_rows can cut uneven tails once these (per-layer) caches batch."""
-    return all(type(c).__name__ in ("KVCache", "BatchKVCache") for c in cache)
+    plain = ("KVCache", "BatchKVCache", "QuantizedKVCache", "BatchQuantizedKVCache")
+    return all(type(c).__name__ in plain for c in cache)
 
 
 class BatchState:
@@ -111,7 +125,7 @@ class BatchState:
             self.batch, self.lone = caches, True
         else:
             if self.lone:
-                self.batch, self.lone = [c.merge([c]) for c in self.batch], False
+                self.batch, self.lone = [merge([c]) for c in self.batch], False
             for cache, new in zip(self.batch, caches, strict=True):
-                cache.extend(new.merge([new]))
+                cache.extend(merge([new]))
         self.rows.append(sid)

@@ -79,6 +79,10 @@ class RankJob(_Frozen):
     groups: tuple[int, ...] | None = None
     stage: int = Field(0, ge=0)
     handoff: tuple[str, ...] = ()
+    # KV-cache quantization (engine/kv_quant.py): every rank quantizes its own heads and
+    # layers alike, from the first token; None keeps the cache at the model's float type.
+    kv_bits: Literal[4, 8] | None = None
+    kv_group_size: Literal[32, 64, 128] = 64
     task: Task
 
     @model_validator(mode="after")

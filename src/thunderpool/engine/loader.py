@@ -21,6 +21,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load_config, load_model
 
+from thunderpool.engine import kv_quant
 from thunderpool.engine.compiled import wanted
 from thunderpool.engine.runner import Runner
 from thunderpool.errors import ModelError
@@ -49,6 +50,9 @@ class Layout:
     groups: tuple[int, ...] | None = None
     stage: int = 0
     handoff: tuple[str, ...] = ()
+    # --kv-bits: every rank's KV cache quantized alike (engine/kv_quant.py); None: plain.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +264,7 @@ def load_shard(
     """Build, cut or shard, and load this rank's part of the model."""
     start = time.perf_counter()
     model, config = build_lazy(model_dir)
+    kv_quant.check(model, layout.kv_bits, layout.kv_group_size)
     unloaded = unloaded_modules(model, model_dir)
     n_layers = len(model.layers)
     bounds, stage, method, share = (0, n_layers), None, "single", None
@@ -313,7 +318,7 @@ def load_shard(
     # EP reads each MoE layer's routes on the host, which a traced graph cannot; other
     # layouts (hybrid) stay eager until a test proves their compiled step equal.
     compiled = wanted(layout.compile) and layout.parallel in ("tp", "pp")
-    runner = Runner(model, group, stage, compiled)
+    runner = Runner(model, group, stage, compiled, layout.kv_bits, layout.kv_group_size)
     runner.every_position = layout.every_position
     return runner, config, stats
 
@@ -321,6 +326,7 @@ def load_shard(
 def preflight(model_dir: Path, world_size: int, layout: Layout) -> dict:
     """Check in seconds, before any rank starts, that this layout can be built for the model."""
     model, config = build_lazy(model_dir)
+    kv_quant.check(model, layout.kv_bits, layout.kv_group_size)
     if layout.parallel == "hybrid":
         from thunderpool.parallel import hybrid
 

@@ -15,6 +15,7 @@ from thunderpool.engine.control import control_for
 from thunderpool.engine.engine import Engine, follow
 from thunderpool.engine.job import GenerateTask, RankJob, TraceTask
 from thunderpool.engine.loader import Layout, load_shard, peak_rss_bytes
+from thunderpool.engine.prefix import kv_bytes_per_token
 from thunderpool.engine.sequence import TextEdge
 from thunderpool.engine.speculate import drafter_for, spec_fields
 
@@ -52,7 +53,13 @@ def run(
         try:
             match job.task:
                 case GenerateTask() as task:
-                    _generate(engine, tokenizer, task, emit)
+                    kv = {
+                        "kv_bytes_per_token": kv_bytes_per_token(
+                            config, job.kv_bits, job.kv_group_size
+                        ),
+                        "kv_bits": job.kv_bits,
+                    }
+                    _generate(engine, tokenizer, task, emit, kv)
                 case TraceTask() as task:
                     _trace(engine, task, emit)
                 case _:
@@ -77,7 +84,9 @@ def _tokenizer(job: RankJob):
     return load_tokenizer(Path(job.model_dir), eos_token_ids=config.get("eos_token_id"))
 
 
-def _generate(engine: Engine, tokenizer, task: GenerateTask, emit: Emit) -> None:
+def _generate(engine: Engine, tokenizer, task: GenerateTask, emit: Emit, kv: dict) -> None:
+    """`kv`: the KV cache's bytes per context token over all ranks and its bits, for the
+    summary."""
     if task.chat and tokenizer.chat_template:
         messages = [{"role": "user", "content": task.prompt}]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -105,6 +114,7 @@ def _generate(engine: Engine, tokenizer, task: GenerateTask, emit: Emit) -> None
         prefill_tps=end.prompt_tokens / ttft if ttft else 0.0,
         decode_tps=steps / decode_s if steps > 0 and decode_s else 0.0,
         finish_reason=end.finish_reason,
+        **kv,
         **spec_fields(engine),
     )
 

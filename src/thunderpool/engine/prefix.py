@@ -96,21 +96,23 @@ def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return i
 
 
-def budget_tokens(budget_bytes: float, config: dict) -> int:
+def budget_tokens(
+    budget_bytes: float, config: dict, kv_bits: int | None = None, kv_group_size: int = 64
+) -> int:
     """The byte budget in tokens of KV cache over the whole model (every rank's share)."""
     if budget_bytes <= 0:
         return 0
-    return int(budget_bytes // kv_bytes_per_token(config))
+    return int(budget_bytes // kv_bytes_per_token(config, kv_bits, kv_group_size))
 
 
-def kv_bytes_per_token(config: dict) -> float:
+def kv_bytes_per_token(config: dict, kv_bits: int | None = None, kv_group_size: int = 64) -> float:
     """KV bytes of one token over all layers, as the planner counts them (planner/spec.py),
-    at the checkpoint's dtype."""
+    at the checkpoint's dtype, or quantized to `kv_bits` (--kv-bits)."""
     from thunderpool.errors import ThunderpoolError
-    from thunderpool.planner.spec import model_spec_from_config
+    from thunderpool.planner.spec import kv_element_bytes, model_spec_from_config
 
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-    width = 4.0 if "32" in dtype else 2.0
+    width = kv_element_bytes(4.0 if "32" in dtype else 2.0, kv_bits, kv_group_size)
     try:
         return model_spec_from_config(config, kv_dtype_bytes=width).kv_bytes_per_token()
     except (ThunderpoolError, KeyError, TypeError, ValueError):

@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from thunderpool.engine import compiled, fused, rowsplit
+from thunderpool.engine import compiled, fused, kv_quant, rowsplit
 from thunderpool.parallel.pipeline import PipelineStage
 from thunderpool.parallel.vocab import has_split_head
 
@@ -21,8 +21,12 @@ class Runner:
         group: mx.distributed.Group,
         stage: PipelineStage | None,
         compile: bool = True,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ):
         self.model, self.group, self.stage = model, group, stage
+        # --kv-bits: every cache this rank makes is quantized alike (engine/kv_quant.py).
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.rank, self.size = group.rank(), group.size()
         # Hybrid: rank 0 of a later stage's world is no leader (stage.leads says who is).
         self.is_leader = self.rank == 0 if stage is None else stage.leads
@@ -43,7 +47,11 @@ class Runner:
             self.head = fused.head(model, self.ways)
 
     def make_cache(self) -> list:
-        return make_prompt_cache(self.model)
+        caches = make_prompt_cache(self.model)
+        if self.kv_bits is None:
+            return caches
+        local = self.stage.local if self.stage is not None else None
+        return kv_quant.quantize(caches, self.kv_bits, self.kv_group_size, local)
 
     def forward(self, tokens: mx.array, cache: list) -> mx.array | None:
         """tokens (B, L) -> logits (B, V) on the leader; on followers, what must be evaluated."""

@@ -70,7 +70,9 @@ def serve(
         eos=set(tokenizer.eos_token_ids or []),
         tokenizer=tokenizer,
         drafter=drafter_for(job),
-        prefix_cache_tokens=budget_tokens(task.prefix_cache_bytes, config),
+        prefix_cache_tokens=budget_tokens(
+            task.prefix_cache_bytes, config, job.kv_bits, job.kv_group_size
+        ),
     )
     counters = Counters()
     loaded_memory = {f"rank{r}_memory_bytes": float(rss) for r, (_, rss) in enumerate(memory)}

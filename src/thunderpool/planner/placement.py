@@ -53,6 +53,7 @@ class Plan:
     unverified: str = ""  # why this layout is not verified for the model's family ("" if it is)
     compiled: bool = False  # decode runs the compiled step (planner/dispatch.py: compiles)
     experts: tuple[int, ...] | None = None  # EP: routed experts per rank
+    kv_token_bytes: float = 0.0  # KV cache per context token, all ranks (--kv-bits: quantized)
 
     @property
     def verified(self) -> bool:
@@ -231,7 +232,18 @@ def _plan(spec, kind, stages, by_name, links, needs) -> Plan | None:
     reason = _reason(kind, stages, pred, links)
     if experts:
         reason = f"{reason[:-1]}; experts {'+'.join(map(str, experts))})"
-    return Plan(kind, stages, used, free, pred, reason, compiled=compiled, experts=experts)
+    kv_token = spec.kv_bytes_per_token(needs.kv_dtype_bytes)
+    return Plan(
+        kind,
+        stages,
+        used,
+        free,
+        pred,
+        reason,
+        compiled=compiled,
+        experts=experts,
+        kv_token_bytes=kv_token,
+    )
 
 
 def _fits_hosts(used: dict[str, int], by_name: dict[str, NodeSpec]) -> bool:

@@ -156,6 +156,14 @@ class ModelSpec:
         return self.kv_bytes_per_token_per_layer * scale * self.layers
 
 
+def kv_element_bytes(dtype_bytes: float, bits: int | None = None, group_size: int = 64) -> float:
+    """Bytes one cached key or value element takes: its float type's, or quantized (--kv-bits,
+    mlx-lm's QuantizedKVCache) bits / 8 plus a scale and a bias in the float type per group."""
+    if bits is None:
+        return dtype_bytes
+    return bits / 8 + 2 * dtype_bytes / group_size
+
+
 def model_spec(model_dir: Path) -> ModelSpec:
     """Measure a local HF/MLX model directory: config.json plus safetensors headers."""
     model_dir = Path(model_dir)

@@ -104,7 +104,7 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
 
 def _local(args, backend: str, model_dir: Path, name: str, max_context: int, token: str):
     from thunderpool.cluster.mpi import local_instance
-    from thunderpool.commands import draft_fields, replica_fields
+    from thunderpool.commands import draft_fields, kv_fields, replica_fields
     from thunderpool.config import LINK_TOKEN_ENV
     from thunderpool.engine.job import RankJob, ServeTask
     from thunderpool.engine.loader import Layout, preflight
@@ -114,7 +114,13 @@ def _local(args, backend: str, model_dir: Path, name: str, max_context: int, tok
     replicas = replica_fields(args, model_dir, nodes)
     groups = getattr(args, "groups", None)
     layout = Layout(
-        parallel, args.tp_weights, args.layer_split, expert_split, groups=groups, **replicas
+        parallel,
+        args.tp_weights,
+        args.layer_split,
+        expert_split,
+        groups=groups,
+        **replicas,
+        **kv_fields(args),
     )
     preflight(model_dir, nodes, layout)
     job = RankJob(
@@ -136,6 +142,7 @@ def _local(args, backend: str, model_dir: Path, name: str, max_context: int, tok
         ),
         backend=backend,
         **draft_fields(args),
+        **kv_fields(args),
     )
     # On one host a lost rank is restarted in the same layout; the token authenticates the
     # gateway to the leader and reaches the ranks through their environment only.
@@ -144,7 +151,7 @@ def _local(args, backend: str, model_dir: Path, name: str, max_context: int, tok
 
 def _cluster(args, name: str, max_context: int, console: Console):
     from thunderpool.cluster.cli import ClusterPlanner
-    from thunderpool.commands import draft_fields
+    from thunderpool.commands import draft_fields, kv_fields
     from thunderpool.engine.job import RankJob, ServeTask
 
     def make_job(world: int, layout: dict, _model_dir: str | None = None) -> RankJob:
@@ -163,6 +170,7 @@ def _cluster(args, name: str, max_context: int, console: Console):
             ),
             **layout,
             **draft_fields(args),
+            **kv_fields(args),
         )
 
     planner = ClusterPlanner(args, make_job, None, console)
