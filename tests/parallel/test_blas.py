@@ -20,6 +20,7 @@ def test_core_type_from_cpu_flags():
 
 def test_blis_gets_threads_and_openblas_its_kernel_family(monkeypatch):
     monkeypatch.delenv("BLIS_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
     monkeypatch.setenv("LD_PRELOAD", "/other.so")
     blis = blas_env("/usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4")
     assert blis["LD_PRELOAD"].split() == [
@@ -28,6 +29,9 @@ def test_blis_gets_threads_and_openblas_its_kernel_family(monkeypatch):
     ]
     assert blis["BLIS_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))
     assert "OPENBLAS_CORETYPE" not in blis
+    assert blis["OPENBLAS_NUM_THREADS"] == "1"  # numpy's own, beside BLIS's threads
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")
+    assert "OPENBLAS_NUM_THREADS" not in blas_env(blis["LD_PRELOAD"].split()[0])
     monkeypatch.setenv("OPENBLAS_CORETYPE", "Zen")  # the user's choice is kept
     openblas = blas_env("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
     assert "OPENBLAS_CORETYPE" not in openblas and "BLIS_NUM_THREADS" not in openblas

@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from thunderpool.engine import compiled, fused, kv_quant, rowsplit
+from thunderpool.engine import attention, compiled, fused, kv_quant, rowsplit
 from thunderpool.parallel.pipeline import PipelineStage
 from thunderpool.parallel.vocab import has_split_head
 
@@ -57,10 +57,12 @@ class Runner:
         """tokens (B, L) -> logits (B, V) on the leader; on followers, what must be evaluated."""
         if self.compiled is not None:
             rowsplit.blas_threads(one_row=False)
-        if self.stage is not None:
-            h = self.stage.forward(tokens, cache, last_only=not self.every_position)
-            return self._finish(h)
-        return self._finish(self.model.model(tokens, cache=cache))
+        with attention.cpu_prefill(self.model):
+            if self.stage is not None:
+                h = self.stage.forward(tokens, cache, last_only=not self.every_position)
+            else:
+                h = self.model.model(tokens, cache=cache)
+        return self._finish(h)
 
     def decode(self, tokens: mx.array, cache: list) -> mx.array | None:
         """One step of tokens (B, 1): `forward`, compiled where the model and cache allow."""
@@ -87,10 +89,11 @@ class Runner:
         verify step); on followers, what must be evaluated."""
         if self.compiled is not None:
             rowsplit.blas_threads(one_row=False)
-        if self.stage is not None:
-            h = self.stage.forward(tokens, cache, last_only=False)
-        else:
-            h = self.model.model(tokens, cache=cache)
+        with attention.cpu_prefill(self.model):
+            if self.stage is not None:
+                h = self.stage.forward(tokens, cache, last_only=False)
+            else:
+                h = self.model.model(tokens, cache=cache)
         if self.keep_hidden:
             self.hidden = h
         if not (self.is_leader or self.every_rank_projects):
