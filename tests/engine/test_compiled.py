@@ -137,6 +137,21 @@ def test_products_split_over_streams_equal_eager(kind, ways, family_dirs, monkey
     check(compare(runner, reference), True)
 
 
+@pytest.mark.parametrize("ways", [2, 3])
+def test_attention_split_over_streams_equals_eager(ways, family_dirs, monkeypatch):
+    """A long cache's keys in `ways` parts, each part's softmax merged by its max and sum
+    (fused.FusedForward._attend; here from the first position on): the same logits."""
+    from thunderpool.engine import fused as fused_module
+
+    monkeypatch.setenv("THUNDERPOOL_DECODE_WAYS", str(ways))
+    monkeypatch.setattr(fused_module, "SPLIT_KEYS", 0)
+    group = mx.distributed.init()
+    runner, _, _ = load_shard(family_dirs["qwen3"], group, Layout(compile=True))
+    reference, _, _ = load_shard(family_dirs["qwen3"], group, Layout(compile=False))
+    assert runner.compiled.fused.ways == ways
+    check(compare(runner, reference), True)
+
+
 def test_fused_quantized_equals_eager(family_dirs, monkeypatch):
     """4-bit llama: q|k|v and gate|up fused with their scales and biases, split in two."""
     monkeypatch.setenv("THUNDERPOOL_DECODE_WAYS", "2")

@@ -29,6 +29,8 @@ from mlx_lm.models.activations import swiglu
 from thunderpool.engine import rowsplit
 
 FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
+# Cache positions from which a decode step's attention splits over the CPU streams.
+SPLIT_KEYS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,8 +213,11 @@ class FusedForward:
     """`forward(tokens (B, 1), caches) -> h (B, 1, D)`: the inner model's one-token forward,
     for caches that take update_and_fetch and carry idx/left (compiled._StepCache)."""
 
-    def __init__(self, model: nn.Module, layers: list[Layer], inv_freqs: mx.array, dims: int):
+    def __init__(
+        self, model: nn.Module, layers: list[Layer], inv_freqs: mx.array, dims: int, ways: int = 1
+    ):
         self.model, self.inner = model, model.model
+        self.ways = ways  # CPU streams the products (and long attention) split over
         # Evaluated now: a lazy array is tied to the loading thread's stream, and the engine
         # may step in another thread ("no Stream(cpu, 0) in current thread").
         mx.eval(inv_freqs)
@@ -262,6 +267,32 @@ class FusedForward:
         sin_t = mx.concatenate([rep(s * scale, n_heads), rep(s, n_kv), zero], axis=1)
         return cos_t.astype(dtype), sin_t.astype(dtype)
 
+    def _attend(self, q: mx.array, keys: mx.array, values: mx.array, mask: mx.array):
+        """softmax(q k^T + mask) v, q (B, K, H/K, d) against the cache's (B, K, capacity, d).
+        From SPLIT_KEYS positions on, the keys are split over the CPU streams, each part's
+        softmax kept unnormalized with its max and sum, and the parts merged: on a CPU every
+        exp costs (MLX's x86 build has no SIMD exp), and the products' other cores are idle."""
+        cap = keys.shape[2]
+        if self.ways < 2 or cap < SPLIT_KEYS:
+            scores = mx.addmm(mask, q, keys.swapaxes(-1, -2))  # (B, K, H/K, capacity)
+            return mx.softmax(scores, axis=-1, precise=True) @ values
+        parts = []
+        cuts = rowsplit.bounds(cap, self.ways)
+        for (a, b), s in zip(cuts, rowsplit.streams(len(cuts)), strict=True):
+            k, v = keys[..., a:b, :], values[..., a:b, :]
+            scores = mx.addmm(mask[..., a:b], q, k.swapaxes(-1, -2), stream=s)
+            top = mx.max(scores, axis=-1, keepdims=True, stream=s)
+            e = mx.exp(mx.subtract(scores, top, stream=s), stream=s)
+            total = mx.sum(e, axis=-1, keepdims=True, stream=s)
+            parts.append((top, total, mx.matmul(e, v, stream=s)))
+        top = parts[0][0]
+        for m, _, _ in parts[1:]:
+            top = mx.maximum(top, m)
+        weights = [mx.exp(m - top) for m, _, _ in parts]
+        num = sum(w * o for w, (_, _, o) in zip(weights, parts, strict=True))
+        den = sum(w * t for w, (_, t, _) in zip(weights, parts, strict=True))
+        return num / den
+
     def _layer(self, h, layer: Layer, cache, rotation) -> mx.array:
         m, attn = layer.module, layer.module.self_attn
         B, H, K, d = h.shape[0], layer.n_heads, layer.n_kv, self.head_dim
@@ -277,8 +308,7 @@ class FusedForward:
         r = (r * cos_t + r[:, :, ::-1, :] * sin_t).reshape(B, H + 2 * K, 1, d)
         keys, values = cache.update_and_fetch(r[:, H : H + K], r[:, H + K :])
         q = r[:, :H].reshape(B, K, H // K, d)  # GQA: each KV head's query heads, one row
-        scores = mx.addmm(mask, q, keys.swapaxes(-1, -2))  # (B, K, H/K, capacity)
-        o = (mx.softmax(scores, axis=-1, precise=True) @ values).reshape(B, 1, H * d)
+        o = self._attend(q, keys, values, mask).reshape(B, 1, H * d)
         h = layer.o(o, h) if layer.o is not None else h + attn.o_proj(o)
         x = m.post_attention_layernorm(h)
         if layer.gate_up is None:
@@ -340,7 +370,7 @@ def build(model: nn.Module, local: range | None = None, ways: int = 1) -> FusedF
             )
         )
     _, _, _, _, _, _, d, inv = plans[0]
-    return FusedForward(model, layers, inv, d)
+    return FusedForward(model, layers, inv, d, ways)
 
 
 def head(model: nn.Module, ways: int) -> Projection | None:
