@@ -267,3 +267,22 @@ def test_spec_bench_accounts_for_plain_batched_and_speculative_steps(tiny_models
         assert spec["tokens_per_step"] >= level["rows"]  # at least the target's own token each
     printed = console.file.getvalue()
     assert "step account: single 1, 2 row(s)" in printed and "timed ms/token" in printed
+
+
+def test_batching_bench_runs_mlx_lms_batch_generator_on_the_same_prompts(tiny_models):
+    """bench --concurrency on one rank: mlx-lm's BatchGenerator on the same model and
+    prompts, beside ours, with the same greedy tokens in every stream."""
+    import mlx.core as mx
+
+    from thunderpool.bench.batching import bench_concurrency
+    from thunderpool.engine.control import Control
+    from thunderpool.engine.engine import Engine
+    from thunderpool.engine.loader import Layout, load_shard
+
+    runner = load_shard(tiny_models["llama"], mx.distributed.init(), Layout())[0]
+    engine = Engine(runner, Control(runner.group))
+    levels = bench_concurrency(engine, (1, 3), prompt_tokens=9, max_tokens=10, vocab=256)
+    assert [r["concurrency"] for r in levels] == [1, 3]
+    for r in levels:
+        assert r["same_tokens_as_mlx_lm"] is True
+        assert r["mlx_lm_decode_tps"] > 0 and r["decode_tps"] > 0

@@ -1,4 +1,5 @@
-"""Aggregate decode throughput under continuous batching: C concurrent streams at once."""
+"""Aggregate decode throughput under continuous batching: C concurrent streams at once, and
+on one rank mlx-lm's own batched generation (`BatchGenerator`) on the same model and prompts."""
 
 from __future__ import annotations
 
@@ -16,31 +17,69 @@ def bench_concurrency(
     """For each level C, C greedy requests submitted together.
 
     aggregate_tps counts every token over the whole wall time (prefills included);
-    decode_tps counts the tokens emitted once all C streams are decoding together.
-    """
+    decode_tps counts the tokens emitted once all C streams are decoding together. On one
+    rank the same prompts then run through mlx-lm's BatchGenerator (mlx_lm_* keys)."""
     rng = np.random.default_rng(0)
     results = []
     for c in levels:
-        engine.scheduler.max_batch = c
-        emits: list[tuple[int, float]] = []
-        params = SamplingParams(max_tokens=max_tokens)
-        start = time.perf_counter()
-        for i in range(c):
-            prompt = rng.integers(0, vocab, prompt_tokens).tolist()
-            engine.submit(
-                prompt, params, lambda d, i=i, e=emits: e.append((i, time.perf_counter()))
-            )
-        while engine.step():
-            pass
-        end = emits[-1][1]
-        all_decoding = max(min(t for j, t in emits if j == i) for i in range(c))
-        steady = [t for _, t in emits if t > all_decoding]
-        results.append(
-            {
-                "concurrency": c,
-                "wall_s": end - start,
-                "aggregate_tps": len(emits) / (end - start),
-                "decode_tps": len(steady) / (end - all_decoding) if steady else 0.0,
-            }
-        )
+        prompts = [rng.integers(0, vocab, prompt_tokens).tolist() for _ in range(c)]
+        ours = _ours(engine, prompts, max_tokens)
+        result = {"concurrency": c, **ours.rates()}
+        if engine.control.size == 1:
+            theirs = _mlx_lm(engine.runner.model, prompts, max_tokens)
+            result.update({f"mlx_lm_{k}": v for k, v in theirs.rates().items()})
+            result["same_tokens_as_mlx_lm"] = ours.tokens == theirs.tokens
+        results.append(result)
     return results
+
+
+class _Emits:
+    """Each stream's tokens and the time each arrived."""
+
+    def __init__(self, streams: int):
+        self.tokens: list[list[int]] = [[] for _ in range(streams)]
+        self.times: list[tuple[int, float]] = []
+        self.start = time.perf_counter()
+
+    def add(self, stream: int, token: int) -> None:
+        self.tokens[stream].append(token)
+        self.times.append((stream, time.perf_counter()))
+
+    def rates(self) -> dict:
+        end = self.times[-1][1]
+        streams = len(self.tokens)
+        all_decoding = max(min(t for j, t in self.times if j == i) for i in range(streams))
+        steady = [t for _, t in self.times if t > all_decoding]
+        return {
+            "wall_s": end - self.start,
+            "aggregate_tps": len(self.times) / (end - self.start),
+            "decode_tps": len(steady) / (end - all_decoding) if steady else 0.0,
+        }
+
+
+def _ours(engine: Engine, prompts: list[list[int]], max_tokens: int) -> _Emits:
+    engine.scheduler.max_batch = len(prompts)
+    emits, params = _Emits(len(prompts)), SamplingParams(max_tokens=max_tokens)
+    for i, prompt in enumerate(prompts):
+        engine.submit(prompt, params, lambda ev, i=i: emits.add(i, ev.token))
+    while engine.step():
+        pass
+    return emits
+
+
+def _mlx_lm(model, prompts: list[list[int]], max_tokens: int) -> _Emits:
+    """mlx-lm's continuous batching (greedy, no stop tokens: every stream runs max_tokens)."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=len(prompts))
+    emits = _Emits(len(prompts))
+    try:
+        uids = gen.insert(prompts, [max_tokens] * len(prompts))
+        stream = {uid: i for i, uid in enumerate(uids)}
+        while responses := gen.next_generated():
+            for r in responses:
+                if r.finish_reason != "stop":
+                    emits.add(stream[r.uid], int(r.token))
+    finally:
+        gen.close()
+    return emits

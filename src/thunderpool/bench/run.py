@@ -228,5 +228,18 @@ def bench_batching(
             mode.upper() if mode != "single" else "1 rank",
             *[f"{r['decode_tps']:.1f} ({r['aggregate_tps']:.1f})" for r in rows],
         )
+        if rows and "mlx_lm_decode_tps" in rows[0]:
+            table.add_row(
+                "mlx-lm BatchGenerator",
+                *[f"{r['mlx_lm_decode_tps']:.1f} ({r['mlx_lm_aggregate_tps']:.1f})" for r in rows],
+            )
+            table.add_row(
+                "1 rank / mlx-lm",
+                *[
+                    f"{r['decode_tps'] / r['mlx_lm_decode_tps']:.2f}x"
+                    + ("" if r["same_tokens_as_mlx_lm"] else " (tokens differ)")
+                    for r in rows
+                ],
+            )
     console.print(table)
     return out

@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
+from thunderpool.engine import compiled
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.errors import ThunderpoolError
 
@@ -169,7 +170,12 @@ class Drafter:
     sequence's tokens (prompt and delivered ones) the first time that sequence speculates."""
 
     def __init__(
-        self, model, k: int = DEFAULT_K, vocab: int | None = None, max_rows: int = MAX_ROWS
+        self,
+        model,
+        k: int = DEFAULT_K,
+        vocab: int | None = None,
+        max_rows: int = MAX_ROWS,
+        compile: bool | None = None,
     ):
         if k < 1:
             raise ThunderpoolError(f"--spec-k {k} must be at least 1")
@@ -178,6 +184,9 @@ class Drafter:
         self.model, self.k, self.vocab = model, k, vocab
         self.max_rows = max_rows  # batches of more rows decode plainly (choose_k)
         self._make_cache = lambda: make_prompt_cache(model)
+        # One-token draft steps take the compiled, fused step where the family has one: on a
+        # CPU its products then use every core, as the target's decode does (runner.py).
+        self.runner = _draft_runner(model, compile)
         check_speculable(self._make_cache(), "draft model")
         self.seqs: dict[int, list[int]] = {}
         self.fed: dict[int, int] = {}  # tokens of seqs[sid] in the draft cache
@@ -192,7 +201,10 @@ class Drafter:
             d.pop(sid, None)
 
     def _logits(self, tokens: list[int], cache: list) -> mx.array:
-        out = self.model(mx.array([tokens]), cache=cache)[0, -1]
+        if len(tokens) == 1 and self.runner is not None and compiled.eligible(cache):
+            out = self.runner.decode(mx.array([tokens]), cache)[0]
+        else:
+            out = self.model(mx.array([tokens]), cache=cache)[0, -1]
         return out[: self.vocab] if self.vocab is not None else out
 
     def propose(self, sid: int, n: int, params: SamplingParams) -> tuple[list[int], np.ndarray]:
@@ -256,7 +268,10 @@ class Drafter:
         return [(d, np.stack(q) if q else empty) for d, q in zip(drafts, qs, strict=True)]
 
     def _batch_logits(self, tokens: list[list[int]], cache: list) -> mx.array:
-        out = self.model(mx.array(tokens), cache=cache)[:, -1]  # (B, V)
+        if len(tokens[0]) == 1 and self.runner is not None and compiled.eligible(cache):
+            out = self.runner.decode(mx.array(tokens), cache)  # (B, V)
+        else:
+            out = self.model(mx.array(tokens), cache=cache)[:, -1]
         return out[:, : self.vocab] if self.vocab is not None else out
 
     def settle(self, sid: int, n: int, accepted: int) -> None:
@@ -266,6 +281,18 @@ class Drafter:
         kept = min(accepted, n - 1)
         trim(self.caches[sid], n - 1 - kept)
         self.fed[sid] += kept
+
+
+def _draft_runner(model, compile: bool | None):
+    """A runner of the whole draft model on this (the leader's) process, for its compiled
+    one-token steps; None where the family does not compile or compile is off (--compile as
+    for the model)."""
+    from thunderpool.engine.runner import Runner
+
+    if not (compiled.wanted(compile) and compiled.supports(model)):
+        return None
+    runner = Runner(model, mx.distributed.init(), None)
+    return runner if runner.compiled is not None else None
 
 
 def choose_k(executor: Executor, plan: StepPlan) -> int:
@@ -411,10 +438,12 @@ def drafter_for(job) -> Drafter | None:
         from thunderpool.engine.mtp import load_mtp_drafter
 
         return load_mtp_drafter(Path(job.model_dir), job.spec_k)
-    return load_drafter(Path(job.draft_model), Path(job.model_dir), job.spec_k)
+    return load_drafter(Path(job.draft_model), Path(job.model_dir), job.spec_k, job.compile)
 
 
-def load_drafter(draft_dir: Path, target_dir: Path, k: int = DEFAULT_K) -> Drafter:
+def load_drafter(
+    draft_dir: Path, target_dir: Path, k: int = DEFAULT_K, compile: bool | None = None
+) -> Drafter:
     """The draft model, whole on this rank, after checking that it speaks the target's
     tokenizer: the same token-to-id map where both ship a tokenizer, else the same vocab size."""
     from mlx_lm.utils import load_model
@@ -439,7 +468,7 @@ def load_drafter(draft_dir: Path, target_dir: Path, k: int = DEFAULT_K) -> Draft
             "model's tokenizer files, or (without any) its vocabulary size"
         )
     model, _ = load_model(draft_dir)
-    return Drafter(model, k, vocab)
+    return Drafter(model, k, vocab, compile=compile)
 
 
 def _vocab_size(config: dict) -> int:
