@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="TTFT, prefill and decode tok/s: our engine vs mlx-lm on one "
         "rank, then TP and PP on --nodes ranks, with each decode step split into compute, "
-        "collectives and waiting; JSON and PNG plots",
+        "collectives and waiting; JSON and PNG plots; with a draft, plain vs speculative "
+        "decode and each mode's step account",
     )
     bench.add_argument("--model", help="model (default: the embedded SmolLM2-135M-Instruct)")
     bench.add_argument(
@@ -219,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--concurrency",
         type=parse_ints,
-        help="also measure continuous batching at these stream counts, e.g. 1,4,8",
+        help="also measure continuous batching at these stream counts, e.g. 1,4,8 (one rank: "
+        "beside mlx-lm's BatchGenerator on the same prompts)",
     )
     bench.add_argument(
         "--constrained",
