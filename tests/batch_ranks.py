@@ -165,6 +165,7 @@ def run_batch(spec: dict, group, stage: int = 0) -> dict | None:
         from thunderpool.engine.speculate import load_drafter
 
         drafter = load_drafter(Path(spec["draft"]), model, spec.get("spec_k", 4))
+        drafter.max_rows = spec.get("max_rows", drafter.max_rows)
     try:
         return run_scenario(runner, control, tokenizer, spec, drafter)
     finally:

@@ -193,6 +193,7 @@ def test_speculation_on_a_quantized_cache_gives_the_plain_tokens(hd64, alone, tm
         assert out == alone(prompt, 16)
         assert engine.executor.spec_stats.steps > 0
     # Three rows at once: a batched verify step cuts each row's rejected tail (trim_rows).
+    drafter.max_rows = 4  # more rows than the default speculate together
     prompts = [tokens(n, 30 + n) for n in (7, 19, 13)]
     engine, out = Engine(runner, Control(runner.group), drafter=drafter), {}
     for i, prompt in enumerate(prompts):

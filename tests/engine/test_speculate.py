@@ -116,6 +116,7 @@ def test_greedy_speculation_gives_the_plain_tokens(runner, models, draft, accept
         return
     # Three requests at once: the rows speculate together (batched drafts, one verify forward
     # of every row; test_speculate_batch.py covers joins, leaves and rows without drafts).
+    drafter.max_rows = 4  # more rows than the default (2) speculate together
     together, engine = generate(runner, drafter, prompts)
     assert together == plain
     assert engine.executor.spec_stats.steps > 0

@@ -125,6 +125,7 @@ def test_batched_speculation_gives_the_plain_batched_tokens(runner, models, monk
 
     monkeypatch.setattr(batch_module, "trim_rows", recording_trim)
     drafter = load_drafter(models["cut"], models["target"], 3)
+    drafter.max_rows = 4  # more rows than the default speculate together: the mechanism
     propose = drafter.propose_rows
     drafter.propose_rows = lambda sids, *a: rows.append(len(sids)) or propose(sids, *a)
     got = run_scenario(runner, Control(runner.group), None, spec, drafter)
@@ -149,7 +150,9 @@ def test_batched_speculation_gives_the_plain_batched_tokens(runner, models, monk
 def test_batched_speculation_is_exact_on_tp2(runner, models, tmp_path):
     spec = scenario(models)
     plain = run_scenario(runner, Control(runner.group), None, spec)
-    got = run_ranks(spec | {"parallel": "tp", "draft": str(models["cut"]), "spec_k": 3}, tmp_path)
+    # Up to 4 rows speculate (the default is 2): the exchange carries every row's drafts.
+    tp = {"parallel": "tp", "draft": str(models["cut"]), "spec_k": 3, "max_rows": 4}
+    got = run_ranks(spec | tp, tmp_path)
     assert greedy_rows(got["out"]) == greedy_rows(plain["out"])
     assert len(got["out"][SAMPLED]["tokens"]) == 12
     steps, proposed, accepted, _ = got["spec"]

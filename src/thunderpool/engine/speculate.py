@@ -35,9 +35,10 @@ if TYPE_CHECKING:
     from thunderpool.engine.plan import StepPlan
 
 DEFAULT_K = 4
-# The most decoding rows that still speculate: measured ahead of plain batched decoding at
-# 1, 2 and 4 rows (docs/benchmarks.md section 9); larger batches are unmeasured, so plain.
-MAX_ROWS = 4
+# The most decoding rows that still speculate: on a quiet machine per-row speculation beat
+# plain batched decoding at 1 and 2 rows and lost at 4 (docs/benchmarks.md section 13; the
+# 4-row gain of section 9 was read on a loaded one); 3 rows are unmeasured, so plain.
+MAX_ROWS = 2
 # Cache types whose rejected tail can be cut by trim() at any length (no ring, no recurrence).
 TRIMMABLE = {"KVCache", "BatchKVCache", "QuantizedKVCache", "ConcatenateKVCache"}
 
