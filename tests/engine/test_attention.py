@@ -31,19 +31,38 @@ def _masks(B, H, L, S):
     yield "per-head", mx.array(heads)
 
 
+def _reference(q, k, v, scale, mask) -> np.ndarray:
+    """The attention in float64 numpy, each query head on its KV head's keys and values."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    B, H, L, _ = q.shape
+    S, g = k.shape[2], H // k.shape[1]
+    k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    scores = q @ k.swapaxes(-1, -2) * scale
+    if isinstance(mask, str):
+        mask = (np.arange(L)[:, None] + S - L) >= np.arange(S)[None]
+    if mask is not None:
+        m = np.asarray(mask)
+        scores = np.where(m, scores, -np.inf) if m.dtype == bool else scores + m
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return (scores / scores.sum(axis=-1, keepdims=True)) @ v
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_sdpa_equals_mlx_attention(shape):
+@pytest.mark.parametrize("v_width", [32, 24])  # 24: values narrower than keys, as MLA's
+def test_sdpa_equals_a_float64_reference_and_mlx_attention(shape, v_width):
     B, H, K, L, S = shape
     mx.random.seed(1)
-    q, k, v = (mx.random.normal((B, n, m, 32)) for n, m in ((H, L), (K, S), (K, S)))
-    numpy_path = B * H * L * S >= attention.MIN_SCORES
+    q, k = mx.random.normal((B, H, L, 32)), mx.random.normal((B, K, S, 32))
+    v = mx.random.normal((B, K, S, v_width))
     for name, mask in _masks(B, H, L, S):
-        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.17, mask=mask)
         got = attention.sdpa(q, k, v, 0.17, mask)
-        assert got.shape == want.shape and got.dtype == mx.float32
-        # numpy's products and exp round differently from MLX's: float32 noise only.
-        tol = 2e-5 if numpy_path else 1e-6
-        assert mx.allclose(got, want, atol=tol, rtol=tol).item(), (name, shape)
+        assert got.shape == (B, H, L, v_width) and got.dtype == mx.float32
+        # float32 rounding of sums over S keys, against float64.
+        np.testing.assert_allclose(np.asarray(got), _reference(q, k, v, 0.17, mask), atol=2e-5)
+        if v_width == 32:  # MLX's own (its CPU path needs equal widths)
+            want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.17, mask=mask)
+            tol = 2e-5 if B * H * L * S >= attention.MIN_SCORES else 1e-6
+            assert mx.allclose(got, want, atol=tol, rtol=tol).item(), (name, shape)
 
 
 def test_only_plain_float32_attention_on_an_x86_cpu_is_taken(monkeypatch):

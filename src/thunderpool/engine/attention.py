@@ -1,12 +1,13 @@
-"""Prefill attention for float32 on an x86 CPU rank, with numpy's softmax.
+"""Prefill attention for float32 on an x86 CPU rank, in numpy where the scores are many.
 
 A long prompt's prefill is mostly attention, and attention mostly the softmax's exp: MLX's
 x86 CPU build computes elementwise ops one value at a time (no SIMD there; ~12 ns per exp),
-numpy's vectorized exp is ~7x faster. So where the scores are large, they are evaluated,
-normalized by numpy in place, and handed back (docs/benchmarks.md §13: 4K-token prefill).
-The products stay MLX's; each KV head's query heads are stacked into the rows of one
-product (as the compiled decode step does, fused.py). Everything else (other devices, CPUs
-and dtypes, quantized caches, attention sinks, small score blocks) keeps mlx-lm's call.
+numpy's vectorized exp is ~7x faster. So from MIN_SCORES scores on, q, k and v are evaluated
+and the products and the softmax run in numpy (its BLAS on one thread beside BLIS,
+cluster/blas.py), in place (docs/benchmarks.md §13: 4K-token prefill); below it, MLX ops.
+Either way each KV head's query heads are the rows of one product (as the compiled decode
+step does, fused.py). Everything else (other devices, CPUs and dtypes, quantized caches,
+attention sinks) keeps mlx-lm's call.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ def sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask
     (B, H, L, S), boolean (True keeps) or additive. Each KV head's g = H / K query heads are
     the rows of one product."""
     B, H, L, D = queries.shape
-    K, S = keys.shape[1], keys.shape[2]
+    K, S, Dv = keys.shape[1], keys.shape[2], values.shape[-1]  # MLA: values' width differs
     g = H // K
     if isinstance(mask, str) and mask != "causal":
         raise ValueError(f"attention mask {mask!r} is not one this path knows")
-    if B * H * L * S < MIN_SCORES:
+    if B * H * L * S < MIN_SCORES or L > S:
         return _in_mlx(queries, keys, values, scale, mask)
     mx.eval(queries, keys, values)
     # Zero-copy views of the evaluated arrays; numpy's BLAS and vectorized exp from here on.
@@ -54,13 +55,13 @@ def sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask
     np.exp(a, out=a)
     a /= a.sum(axis=-1, keepdims=True)
     out = a.reshape(B, K, g * L, S) @ np.asarray(values)
-    return mx.array(out.reshape(B, H, L, D))
+    return mx.array(out.reshape(B, H, L, Dv))
 
 
 def _in_mlx(queries, keys, values, scale: float, mask) -> mx.array:
     """`sdpa` in MLX ops, for score blocks too small to pay for numpy's round trip."""
     B, H, L, D = queries.shape
-    K, S = keys.shape[1], keys.shape[2]
+    K, S, Dv = keys.shape[1], keys.shape[2], values.shape[-1]
     g = H // K
     q = (queries * scale).reshape(B, K, g * L, D)
     scores = (q @ keys.swapaxes(-1, -2)).reshape(B, K, g, L, S)
@@ -74,7 +75,7 @@ def _in_mlx(queries, keys, values, scale: float, mask) -> mx.array:
         else:
             scores = scores + mask
     probs = mx.softmax(scores, axis=-1, precise=True).reshape(B, K, g * L, S)
-    return (probs @ values).reshape(B, H, L, D)
+    return (probs @ values).reshape(B, H, L, Dv)
 
 
 def _grouped(mask: mx.array, K: int, g: int) -> mx.array:
