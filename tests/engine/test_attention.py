@@ -100,3 +100,22 @@ def test_a_long_prompt_gives_mlx_lms_tokens_and_logits(tmp_path, monkeypatch):
     assert called  # the numpy path ran
     assert mx.allclose(ours[0], theirs[0], atol=1e-4, rtol=1e-4).item()
     assert ours[1] == theirs[1]
+
+
+def test_the_patch_lasts_the_block_and_leaves_other_masks_to_mlx_lm(monkeypatch):
+    import mlx_lm.models.llama as llama
+
+    theirs, ours = [], []
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", lambda *a, **kw: theirs.append(kw))
+    monkeypatch.setattr(attention, "sdpa", lambda *a: ours.append(a[-1]))
+    monkeypatch.setattr(attention, "X86", True)
+    before = llama.scaled_dot_product_attention
+    q, k = mx.zeros((1, 4, 3, 8)), mx.zeros((1, 2, 3, 8))
+    model = type("Model", (), {"__module__": "mlx_lm.models.llama"})()
+    with attention.cpu_prefill(model):
+        call = llama.scaled_dot_product_attention
+        call(q, k, k, cache=None, scale=0.1, mask="causal")
+        call(q, k, k, cache=None, scale=0.1, mask=None)
+        call(q, k, k, cache=None, scale=0.1, mask="chunked")  # a mask string we do not know
+    assert llama.scaled_dot_product_attention is before
+    assert ours == ["causal", None] and [kw["mask"] for kw in theirs] == ["chunked"]
