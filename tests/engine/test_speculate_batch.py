@@ -46,7 +46,7 @@ def test_each_row_keeps_its_own_target_distribution():
     for _ in range(1000):
         drafts = [[int(rng.choice(5, p=q[i]))] for i in range(2)]
         proposals = [(drafts[i], q[i][None]) for i in range(2)]
-        outs = _accept(ex, [0, 1], rows, [0, 1], proposals, drafts, logits)
+        outs = _accept(ex, [0, 1], rows, [0, 1], proposals, logits)
         for i in range(2):
             counts[i, outs[i][0]] += 1
     for i in range(2):

@@ -204,12 +204,12 @@ class Engine:
                 event = replace(event, logprob=lp)
             self._emit(event)
 
-    def spec_budget(self) -> tuple[bool, int]:
+    def spec_budget(self) -> tuple[bool, dict[int, int]]:
         self._take_cancels()
         with self._lock:
             news = bool(self._incoming)
-        last, room = self.scheduler.spec_budget(news)
-        return last or self._stopping, room
+        last, rooms = self.scheduler.spec_budget(news)
+        return last or self._stopping, rooms
 
     def _take_cancels(self) -> None:
         with self._lock:

@@ -160,22 +160,25 @@ class Scheduler:
             r.issued += 1
         return last
 
-    def spec_budget(self, news: bool = False) -> tuple[bool, int]:
+    def spec_budget(self, news: bool = False) -> tuple[bool, dict[int, int]]:
         """A verify burst (speculate.py) asks before each step: whether it must be the last,
-        and how many tokens the rows may still take (0: issue no step). A verify step runs
-        only once the previous one is delivered, so the issued count catches up here."""
+        and how many tokens each row may still take (empty: issue no step). A verify step
+        runs only once the previous one is delivered, so the issued count catches up here."""
         for r in self.active:
             r.issued = r.generated
         if any(r.finished for r in self.active) or not self.active:
-            return True, 0
-        room = min(
-            min(r.params.max_tokens - r.generated, self.max_context - len(r.prompt) - r.generated)
+            return True, {}
+        rooms = {
+            r.sid: min(
+                r.params.max_tokens - r.generated,
+                self.max_context - len(r.prompt) - r.generated,
+            )
             for r in self.active
-        )
+        }
         last = (len(self.active) < self.max_batch and (news or bool(self.waiting))) or (
             self.prefilling is not None
         )
-        return last, room
+        return last, rooms
 
     def postprocess(self, sids: list[int], tokens: list[int]) -> list[Emitted]:
         """Tokens delivered for the rows `sids` (one decode step, or a first token)."""

@@ -341,20 +341,26 @@ def lead(executor: Executor, k: int, sink, fresh: int | None) -> None:
     acct = ex.account  # bench's step account: each part evaluated at its end (account.py)
     go = True
     while go:
-        last, room = sink.spec_budget()
+        last, rooms = sink.spec_budget()
+        room = min(rooms.values(), default=0)
         if room <= 0:
             break
-        n = min(k, room - 1)
+        # Each row drafts within its own room; the step verifies the longest row's drafts,
+        # the others padded (so a row near its end no longer cuts every row's drafts).
+        own = [min(k, rooms.get(sid, room) - 1) for sid in sids]
+        n = max((own[i] for i in drafted), default=0)
         if acct:  # the host's part: since the last step's end, the budget's question included
             acct.begin(B)
         proposals = _propose(
             drafter, [sids[i] for i in drafted], n, [samplers[i].params for i in drafted]
         )
+        cut = zip(drafted, proposals, strict=True)
+        proposals = [(d[: own[i]], q[: own[i]]) for i, (d, q) in cut]
         if acct:
             acct.mark("draft")
         drafts = [[0] * n for _ in range(B)]
         for i, (d, _) in zip(drafted, proposals, strict=True):
-            drafts[i] = d
+            drafts[i] = [*d, *[0] * (n - len(d))]
         flat = [x for d in drafts for x in (*d, *[0] * (k - n))]
         ex.control.share_ints([1, n, *trims, *t0s, *flat], _width(B, k))
         if acct:
@@ -366,7 +372,7 @@ def lead(executor: Executor, k: int, sink, fresh: int | None) -> None:
         logits = ex.state.verify(tokens)  # (B, n+1, V)
         if acct:
             acct.mark("forward", logits)
-        outs = _accept(ex, sids, samplers, drafted, proposals, drafts, logits)
+        outs = _accept(ex, sids, samplers, drafted, proposals, logits)
         if acct:
             acct.mark("accept")
         for j in range(max(len(o) for o in outs)):  # one delivery per position
@@ -375,10 +381,10 @@ def lead(executor: Executor, k: int, sink, fresh: int | None) -> None:
             ex._deliver(sink, [sids[i] for i in at], token, logits[mx.array(at), j])
         if acct:
             acct.mark("deliver")
-        for i in drafted:
+        for i, (d, _) in zip(drafted, proposals, strict=True):
             accepted = len(outs[i]) - 1
             drafter.settle(sids[i], n, accepted)
-            stats.steps, stats.proposed = stats.steps + 1, stats.proposed + n
+            stats.steps, stats.proposed = stats.steps + 1, stats.proposed + len(d)
             stats.accepted, stats.emitted = stats.accepted + accepted, stats.emitted + len(outs[i])
         if acct:
             acct.mark("settle")
@@ -393,25 +399,26 @@ def lead(executor: Executor, k: int, sink, fresh: int | None) -> None:
         acct.end()
 
 
-def _accept(ex, sids, samplers, drafted, proposals, drafts, logits) -> list[list[int]]:
-    """Each row's emitted tokens: the accept rule on drafted rows, and one token of the row's
-    own sampler (penalties, grammar, logprobs) at the first position on the others."""
+def _accept(ex, sids, samplers, drafted, proposals, logits) -> list[list[int]]:
+    """Each row's emitted tokens: the accept rule on drafted rows (on the row's own drafts,
+    not the padding after them), and one token of the row's own sampler (penalties,
+    grammar, logprobs) at the first position on the others."""
     outs: list[list[int] | mx.array] = []
     greedy = mx.argmax(logits, axis=-1)
-    q_of = dict(zip(drafted, (q for _, q in proposals), strict=True))
+    proposed = dict(zip(drafted, proposals, strict=True))
     for i, sampler in enumerate(samplers):
-        if i not in q_of:
+        if i not in proposed:
             outs.append(sampler(logits[i : i + 1, 0]))
             continue
-        params = sampler.params
+        params, (d, q) = sampler.params, proposed[i]
         if params.greedy:
-            outs.append(accept_greedy(drafts[i], greedy[i].tolist()))
+            outs.append(accept_greedy(d, greedy[i].tolist()))
             continue
-        p, q = distribution(logits[i], params), q_of[i]
+        p = distribution(logits[i], params)
         if q.shape[-1] < p.shape[-1]:  # a draft with a smaller (unpadded) vocabulary
             q = np.pad(q, ((0, 0), (0, p.shape[-1] - q.shape[-1])))
         rng = ex.drafter.rngs.setdefault(sids[i], _rng(params))
-        outs.append(accept_sampled(drafts[i], p, q, rng))
+        outs.append(accept_sampled(d, p, q, rng))
     return [o.tolist() if isinstance(o, mx.array) else o for o in outs]
 
 
