@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from thunderpool.bench.breakdown import counting_collectives
 from thunderpool.cluster.launch import child_setup, free_ports, one_core_env
@@ -44,6 +45,29 @@ def plan_name(plan: StepPlan) -> str:
     if plan.op != "step":
         return plan.op
     return "step+" if plan.decode else ("pre" if plan.prefill else "step")
+
+
+MAX_TOKENS = 6
+GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS}
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    """n token ids of the tiny models' vocabulary (256), the same for the same seed."""
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+def prefix_turns(alone) -> list[dict]:
+    """Four requests on one 40-token head for the prefix cache: two batched, the first's
+    second turn (its prompt, `alone(prompt)`'s answer and more), one joining mid-burst."""
+    shared = tokens(40, 1)
+    first = shared + tokens(8, 2)
+    turn2 = first + alone(first) + tokens(5, 3)
+    return [
+        {"prompt": first, "params": GREEDY},
+        {"prompt": shared + tokens(11, 4), "params": GREEDY},  # batched with request 0
+        {"prompt": turn2, "params": GREEDY, "after": [0, MAX_TOKENS]},  # turn 2
+        {"prompt": shared + tokens(3, 5), "params": GREEDY, "after": [1, 2]},  # joins mid-burst
+    ]
 
 
 def run_scenario(runner, control: Control, tokenizer, spec: dict, drafter=None) -> dict:

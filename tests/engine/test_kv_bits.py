@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from batch_ranks import run_ranks
+from batch_ranks import GREEDY, MAX_TOKENS, prefix_turns, run_ranks, tokens
 from conftest import make_tiny, run_trace
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlx_lm.utils import load_model
@@ -29,13 +29,6 @@ from thunderpool.engine.prefix_kv import PrefixStore
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.speculate import Drafter
 from thunderpool.errors import ShardingError
-
-MAX_TOKENS = 6
-GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS}
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -95,16 +88,8 @@ def resolve_embedded() -> Path:
 def test_two_ranks_batching_on_the_prefix_cache_equal_one_rank(
     hd64, alone, tmp_path, parallel, layout
 ):
-    shared = tokens(40, 1)
-    first = shared + tokens(8, 2)
-    turn2 = first + alone(first) + tokens(5, 3)
-    prompts = [first, shared + tokens(11, 4), turn2, shared + tokens(3, 5)]
-    requests = [
-        {"prompt": prompts[0], "params": GREEDY},
-        {"prompt": prompts[1], "params": GREEDY},  # batched with request 0
-        {"prompt": prompts[2], "params": GREEDY, "after": [0, MAX_TOKENS]},  # turn 2
-        {"prompt": prompts[3], "params": GREEDY, "after": [1, 2]},  # joins mid-burst
-    ]
+    requests = prefix_turns(alone)
+    prompts = [r["prompt"] for r in requests]
     spec = {
         "model": str(hd64),
         "parallel": parallel,

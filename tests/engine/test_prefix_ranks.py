@@ -8,21 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
-from batch_ranks import run_ranks
+from batch_ranks import GREEDY, prefix_turns, run_ranks
 
 from thunderpool.engine.control import Control
 from thunderpool.engine.engine import Engine
 from thunderpool.engine.loader import Layout, load_shard
 from thunderpool.engine.sampling import SamplingParams
-
-MAX_TOKENS = 6
-GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS}
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -47,16 +39,8 @@ def alone(tiny_models):
 def test_prefix_cache_on_two_ranks_equals_alone(
     tiny_models, alone, tmp_path, parallel, budget, cached
 ):
-    shared = tokens(40, 1)
-    first = shared + tokens(8, 2)
-    turn2 = first + alone(first) + tokens(5, 3)
-    prompts = [first, shared + tokens(11, 4), turn2, shared + tokens(3, 5)]
-    requests = [
-        {"prompt": prompts[0], "params": GREEDY},
-        {"prompt": prompts[1], "params": GREEDY},  # batched with request 0
-        {"prompt": prompts[2], "params": GREEDY, "after": [0, MAX_TOKENS]},  # turn 2
-        {"prompt": prompts[3], "params": GREEDY, "after": [1, 2]},  # joins mid-burst
-    ]
+    requests = prefix_turns(alone)
+    prompts = [r["prompt"] for r in requests]
     spec = {
         "model": str(tiny_models["llama"]),
         "parallel": parallel,
