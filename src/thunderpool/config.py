@@ -60,6 +60,20 @@ def decode_ways() -> int | None:
     return int(value)
 
 
+def kmajor_choice() -> bool | None:
+    """THUNDERPOOL_KMAJOR: 1 or 0 forces input-major weights on or off (engine/kmajor.py);
+    None (unset or "auto") means on for a CPU rank."""
+    value = os.environ.get("THUNDERPOOL_KMAJOR", "auto").strip().lower()
+    if value == "auto":
+        return None
+    if value not in ("0", "1"):
+        raise ThunderpoolError(
+            f"THUNDERPOOL_KMAJOR={value!r} is not 0, 1 or auto; "
+            "unset it, or set 0 to keep MLX's (out, in) weight layout"
+        )
+    return value == "1"
+
+
 def lifeline_fd() -> int | None:
     """THUNDERPOOL_LIFELINE_FD: in a rank, the file its launcher's lifeline arrives on
     (cluster/lifeline.py); None for a rank started by hand."""

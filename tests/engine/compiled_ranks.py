@@ -75,7 +75,8 @@ def split(runner: Runner) -> dict:
         return {}
     layer = runner.compiled.fused.layers[0]
     o = layer.o.local if hasattr(layer.o, "local") else layer.o
-    return {"qkv": len(layer.qkv.parts), "o": len(o.parts), "o_reduced": hasattr(layer.o, "group")}
+    qkv = layer.qkv.members[0] if hasattr(layer.qkv, "members") else layer.qkv  # input-major: q
+    return {"qkv": len(qkv.parts), "o": len(o.parts), "o_reduced": hasattr(layer.o, "group")}
 
 
 def main(spec_path: str, out_path: str) -> None:

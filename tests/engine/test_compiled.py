@@ -101,6 +101,7 @@ def test_a_step_in_another_thread_than_the_load_equals_eager(family_dirs):
 def test_fused_weights_are_views_and_unfused_compile_still_equal(family_dirs, monkeypatch):
     """The modules keep views of the fused arrays (one copy in memory); a model the fused
     forward does not take still compiles mlx-lm's own forward, equal to eager."""
+    monkeypatch.setenv("THUNDERPOOL_KMAJOR", "0")  # MLX's layout: fused q|k|v (below: K-major)
     group = mx.distributed.init()
     runner, _, _ = load_shard(family_dirs["qwen2"], group, Layout(compile=True))
     layer, attn = runner.compiled.fused.layers[0], runner.model.layers[0].self_attn
@@ -120,8 +121,9 @@ def test_fused_weights_are_views_and_unfused_compile_still_equal(family_dirs, mo
 def test_products_split_over_streams_equal_eager(kind, ways, family_dirs, monkeypatch):
     """Each projection's and the head's rows in `ways` parts on their own CPU streams
     (engine/rowsplit.py; 3 leaves uneven parts): the same logits as eager, the parts views
-    of the one weight."""
+    of the one weight (MLX's (out, in) layout: tests/engine/test_kmajor.py has the other)."""
     monkeypatch.setenv("THUNDERPOOL_DECODE_WAYS", str(ways))
+    monkeypatch.setenv("THUNDERPOOL_KMAJOR", "0")
     group = mx.distributed.init()
     runner, _, _ = load_shard(family_dirs[kind], group, Layout(compile=True))
     reference, _, _ = load_shard(family_dirs[kind], group, Layout(compile=False))
@@ -155,6 +157,7 @@ def test_attention_split_over_streams_equals_eager(ways, family_dirs, monkeypatc
 def test_fused_quantized_equals_eager(family_dirs, monkeypatch):
     """4-bit llama: q|k|v and gate|up fused with their scales and biases, split in two."""
     monkeypatch.setenv("THUNDERPOOL_DECODE_WAYS", "2")
+    monkeypatch.setenv("THUNDERPOOL_KMAJOR", "0")  # quantized after a first load, as floats
     group = mx.distributed.init()
     runners = []
     for compile in (True, False):
@@ -232,6 +235,7 @@ def test_compiled_step_dispatches_fewer_kernels(family_dirs, monkeypatch):
     from thunderpool.bench.graph_ops import decode_step_ops
 
     monkeypatch.setenv("THUNDERPOOL_DECODE_WAYS", "1")
+    monkeypatch.setenv("THUNDERPOOL_KMAJOR", "0")  # fused q|k|v (test_kmajor: the other layout)
     runner, _, _ = load_shard(family_dirs["llama"], mx.distributed.init(), Layout(compile=True))
     eager, comp = decode_step_ops(runner, False), decode_step_ops(runner, True)
     layers = len(runner.model.layers)

@@ -1,6 +1,7 @@
 """Row splits of the compiled step's products (engine/rowsplit.py): the parts cover every
-row once, and BLIS runs one thread during compiled decode steps, the process's setting in
-prefill (checked in a child with BLIS preloaded, where this machine has it)."""
+row once, and BLIS runs one thread during compiled decode steps and few-row forwards (their
+products split over the streams, engine/kmajor.py), the process's setting in prefill
+(checked in a child with BLIS preloaded, where this machine has it)."""
 
 from __future__ import annotations
 
@@ -50,11 +51,13 @@ from pathlib import Path
 runner, _, _ = load_shard(Path(sys.argv[1]), mx.distributed.init(), Layout(compile=True))
 cache = runner.make_cache()
 seen = []
-out = runner.forward(mx.array([[3, 17, 42, 9]]), cache); mx.eval(out)
+out = runner.forward(mx.array([list(range(3, 23))]), cache); mx.eval(out)
 seen.append(blis.bli_thread_get_num_threads())
 out = runner.decode(mx.argmax(out, -1)[:, None], cache); mx.eval(out)
 seen.append(blis.bli_thread_get_num_threads())
-out = runner.forward(mx.array([[5, 8]]), runner.make_cache()); mx.eval(out)
+out = runner.forward(mx.array([list(range(5, 25))]), runner.make_cache()); mx.eval(out)
+seen.append(blis.bli_thread_get_num_threads())
+out = runner.verify(mx.array([[5, 8, 9]]), runner.make_cache()); mx.eval(out)
 seen.append(blis.bli_thread_get_num_threads())
 print(runner.compiled.steps, *seen)
 """
@@ -72,4 +75,5 @@ def test_compiled_decode_runs_blis_on_one_thread_and_prefill_on_all(tmp_path):
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["1", "3", "1", "3"]
+    # prefill (20 tokens), decode, prefill, a 3-token verify (split over the streams)
+    assert done.stdout.split() == ["1", "3", "1", "3", "1"]

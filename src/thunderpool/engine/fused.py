@@ -5,14 +5,16 @@ mlx-lm's forward launches each projection, RoPE, norm and attention as separate 
 MLX's CPU backend RoPE, RMSNorm and sdpa are chains of ops). Here, per layer:
 - q|k|v are one matmul and gate|up another: their weights are concatenated once at load
   (per rank, after TP sharding), and the mlx-lm modules' weights become views of the fused
-  ones, so prefill and every other path read the same memory, never a second copy;
+  ones, so prefill and every other path read the same memory, never a second copy (with a
+  CPU rank's input-major weights, engine/kmajor.py, they stay separate products: `Joined`);
 - RoPE's angles are computed once per step, not twice per layer; one elementwise pass
   rotates q and k, leaves v (cos 1, sin 0) and folds in the attention scale;
 - attention is scores (plus the additive mask, in the matmul), softmax, values;
 - the output projections add the residual in their matmul where no all_sum comes between
   (TP's row-parallel o and down: product, all_sum, bias, residual, as the modules do);
-- on a CPU rank with several cores every product's rows are split over them (Projection.split,
-  engine/rowsplit.py).
+- on a CPU rank with several cores every product is split over them (Projection.split,
+  engine/rowsplit.py): by output rows, or by input blocks whose products are summed where the
+  weights are input-major.
 Only the model structure below is taken; anything else (other RoPE kinds, partial rotary,
 sliding windows) keeps mlx-lm's forward (`fusable` is False).
 """
@@ -26,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
-from thunderpool.engine import rowsplit
+from thunderpool.engine import kmajor, rowsplit
 
 FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
 # Cache positions from which a decode step's attention splits over the CPU streams.
@@ -36,7 +38,7 @@ SPLIT_KEYS = 1024
 @dataclass(frozen=True, slots=True)
 class Projection:
     """The arrays of one (possibly quantized, possibly fused) projection; `parts`, where set,
-    are row slices of it multiplied on one CPU stream each (engine/rowsplit.py)."""
+    are slices of it multiplied on one CPU stream each (engine/rowsplit.py)."""
 
     weight: mx.array
     scales: mx.array | None = None
@@ -45,17 +47,26 @@ class Projection:
     group_size: int = 0
     bits: int = 0
     mode: str = "affine"
+    kmajor: bool = False  # weight is stored (in, out): engine/kmajor.py
     parts: tuple[Projection, ...] = ()
 
     def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
         """x @ W.T (+ bias) (+ residual); a single addend goes into the matmul (addmm)."""
-        if self.parts:
+        if self.parts and self.kmajor:  # input slices times weight row blocks, summed
+            ss = rowsplit.streams(len(self.parts))
+            y, a = None, 0
+            for p, s in zip(self.parts, ss, strict=True):
+                b = a + p.weight.shape[0]
+                part = p.product(x[..., a:b], s)
+                y, a = part if y is None else y + part, b
+        elif self.parts:
             ss = rowsplit.streams(len(self.parts))
             y = mx.concatenate(
                 [p.product(x, s) for p, s in zip(self.parts, ss, strict=True)], axis=-1
             )
         elif self.scales is None and (self.bias is None) != (residual is None):
-            return mx.addmm(self.bias if residual is None else residual, x, self.weight.T)
+            w = self.weight if self.kmajor else self.weight.T
+            return mx.addmm(self.bias if residual is None else residual, x, w)
         else:
             y = self.product(x)
         y = y + self.bias if self.bias is not None else y
@@ -64,7 +75,7 @@ class Projection:
     def product(self, x: mx.array, stream: mx.Stream | None = None) -> mx.array:
         """x @ W.T, quantized or not, on `stream` (the default one if None)."""
         if self.scales is None:
-            return mx.matmul(x, self.weight.T, stream=stream)
+            return mx.matmul(x, self.weight if self.kmajor else self.weight.T, stream=stream)
         return mx.quantized_matmul(
             x,
             self.weight,
@@ -78,12 +89,13 @@ class Projection:
         )
 
     def split(self, ways: int) -> Projection:
-        """This projection with its output rows in `ways` parts (views, no copy); itself where
-        that leaves one part."""
+        """This projection in `ways` parts (views, no copy): blocks of output rows, or of the
+        input dimension where the weight is input-major (then the parts' products are summed);
+        itself where that leaves one part."""
         cuts = rowsplit.bounds(self.weight.shape[0], ways)
         if len(cuts) < 2:
             return self
-        q = {n: getattr(self, n) for n in ("group_size", "bits", "mode")}
+        q = {n: getattr(self, n) for n in ("group_size", "bits", "mode", "kmajor")}
         parts = tuple(
             Projection(
                 **{
@@ -101,6 +113,21 @@ class Projection:
         return replace(self, parts=parts)
 
 
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """Projections of one input, their outputs concatenated: how q|k|v and gate|up run where
+    the weights are input-major, since joining those matrices would leave each module a
+    column slice, which MLX copies at every product (engine/kmajor.py)."""
+
+    members: tuple[Projection, ...]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.concatenate([p(x) for p in self.members], axis=-1)
+
+    def split(self, ways: int) -> Joined:
+        return Joined(tuple(p.split(ways) for p in self.members))
+
+
 _ARRAYS = ("weight", "scales", "biases", "bias")
 
 
@@ -109,6 +136,8 @@ def _plain(m: nn.Module) -> bool:
     Linear, QuantizedLinear and their TP AllToSharded forms, whose extra op is the identity
     in a forward)."""
     names = {"Linear", "QuantizedLinear", "AllToShardedLinear", "QuantizedAllToShardedLinear"}
+    if kmajor.is_kmajor(m):
+        return m.group is None
     return type(m).__name__ in names and "weight" in m
 
 
@@ -121,15 +150,19 @@ def _quant(m: nn.Module) -> tuple:
     return (m.group_size, m.bits, getattr(m, "mode", "affine")) if "scales" in m else ()
 
 
-def fuse(modules: list[nn.Module]) -> Projection | None:
+def fuse(modules: list[nn.Module]) -> Projection | Joined | None:
     """One projection for `modules` that read the same input: their arrays concatenated along
     the output axis; each module then holds views of the fused arrays (no second copy once
-    evaluated). None when they differ in kind (plain/quantized, bits, bias)."""
+    evaluated). Input-major weights are joined, not concatenated. None when they differ in
+    kind (plain/quantized, bits, bias, layout)."""
     if not all(_plain(m) for m in modules):
         return None
-    kinds = {(_quant(m), _names(m)) for m in modules}
+    kinds = {(_quant(m), _names(m), kmajor.is_kmajor(m)) for m in modules}
     if len(kinds) != 1:
         return None
+    if kmajor.is_kmajor(modules[0]):
+        return Joined(tuple(_projection(m) for m in modules))
+    kinds = {(_quant(m), _names(m)) for m in modules}
     (quant, names) = kinds.pop()
     fused = {n: mx.concatenate([m[n] for m in modules], axis=0) for n in names}
     mx.eval(fused)
@@ -166,7 +199,12 @@ class Reduced:
 def _projection(m: nn.Module, bias: bool = True) -> Projection:
     """A module's arrays (without its bias unless `bias`) and quantization as a Projection."""
     q = dict(zip(("group_size", "bits", "mode"), _quant(m), strict=True)) if "scales" in m else {}
-    return Projection(**{n: m[n] for n in _names(m) if bias or n != "bias"}, **q)
+    arrays = {n: m[n] for n in _names(m) if bias or n != "bias"}
+    if kmajor.is_kmajor(m):  # the module holds W_t.T: take back the contiguous (in, out) array
+        arrays["weight"] = m["weight"].T
+        mx.eval(arrays["weight"])  # not left lazy on the loading thread's stream
+        return Projection(**arrays, kmajor=True)
+    return Projection(**arrays, **q)
 
 
 def _linear(m: nn.Module) -> Projection | Reduced | None:
@@ -176,6 +214,8 @@ def _linear(m: nn.Module) -> Projection | Reduced | None:
     if kind == "SumAfter":  # ours: uneven shares
         local = _linear(m.inner)
         return Reduced(local, m.group, m.get("bias")) if isinstance(local, Projection) else None
+    if kmajor.is_kmajor(m) and m.group is not None:
+        return Reduced(_projection(m, bias=False), m.group, m.get("bias"))
     if kind in ("ShardedToAllLinear", "QuantizedShardedToAllLinear") and "weight" in m:
         return Reduced(_projection(m, bias=False), m.group, m.get("bias"))
     return _projection(m) if _plain(m) else None
@@ -186,9 +226,9 @@ class Layer:
     """What the fused forward needs of one decoder layer."""
 
     module: nn.Module
-    qkv: Projection
+    qkv: Projection | Joined
     o: Projection | Reduced | None  # None: call the module
-    gate_up: Projection | None  # None: call the MLP module (MoE, or unfusable)
+    gate_up: Projection | Joined | None  # None: call the MLP module (MoE, or unfusable)
     down: Projection | Reduced | None
     n_heads: int
     n_kv: int

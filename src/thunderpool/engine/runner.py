@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from thunderpool.engine import attention, compiled, fused, kv_quant, rowsplit
+from thunderpool.engine import attention, compiled, fused, kmajor, kv_quant, rowsplit
 from thunderpool.parallel.pipeline import PipelineStage
 from thunderpool.parallel.vocab import has_split_head
 
@@ -40,6 +40,9 @@ class Runner:
         # Decode steps replay one compiled graph where that is proven equal (engine/compiled.py),
         # its products split over a CPU rank's cores (engine/rowsplit.py).
         self.compiled, self.ways, self.head = None, 1, None
+        self.kmajor = kmajor.wanted()
+        if self.kmajor:  # few-row products (verify, batches) near one row's cost on a CPU
+            kmajor.turn(model, rowsplit.ways())
         if compile and compiled.supports(model):
             self.ways = rowsplit.ways()
             self.compiled = compiled.build(model, self._finish, stage, self.ways)
@@ -55,14 +58,19 @@ class Runner:
 
     def forward(self, tokens: mx.array, cache: list) -> mx.array | None:
         """tokens (B, L) -> logits (B, V) on the leader; on followers, what must be evaluated."""
-        if self.compiled is not None:
-            rowsplit.blas_threads(one_row=False)
+        self._blas(tokens)
         with attention.cpu_prefill(self.model):
             if self.stage is not None:
                 h = self.stage.forward(tokens, cache, last_only=not self.every_position)
             else:
                 h = self.model.model(tokens, cache=cache)
         return self._finish(h)
+
+    def _blas(self, tokens: mx.array) -> None:
+        """BLIS on one thread where this forward's products split over the streams (few rows
+        of input-major weights), the process's setting otherwise."""
+        if self.compiled is not None or self.kmajor:
+            rowsplit.blas_threads(one_row=self.kmajor and kmajor.split_rows(tokens.size))
 
     def decode(self, tokens: mx.array, cache: list) -> mx.array | None:
         """One step of tokens (B, 1): `forward`, compiled where the model and cache allow."""
@@ -87,8 +95,7 @@ class Runner:
     def verify(self, tokens: mx.array, cache: list) -> mx.array | None:
         """tokens (B, L) -> logits (B, L, V) of every position on the leader (a speculative
         verify step); on followers, what must be evaluated."""
-        if self.compiled is not None:
-            rowsplit.blas_threads(one_row=False)
+        self._blas(tokens)
         with attention.cpu_prefill(self.model):
             if self.stage is not None:
                 h = self.stage.forward(tokens, cache, last_only=False)
