@@ -86,7 +86,7 @@ def run(job: RankJob) -> None:
             from thunderpool.engine import oneshot
 
             def lead(engine) -> None:
-                bench_leader(engine, task, group, emit)
+                bench_leader(engine, task, group, emit, Path(job.model_dir))
 
             oneshot.run(job, group, layout, emit, progress, lead)
         case _:

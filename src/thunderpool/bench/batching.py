@@ -1,9 +1,12 @@
 """Aggregate decode throughput under continuous batching: C concurrent streams at once, and
-on one rank mlx-lm's own batched generation (`BatchGenerator`) on the same model and prompts."""
+on one rank mlx-lm's own batched generation (`BatchGenerator`) on the same checkpoint and
+prompts, loaded by mlx-lm as its users run it (not our rank's model, whose projections are
+input-major on a CPU: engine/kmajor.py)."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -12,7 +15,12 @@ from thunderpool.engine.sampling import SamplingParams
 
 
 def bench_concurrency(
-    engine: Engine, levels: tuple[int, ...], prompt_tokens: int, max_tokens: int, vocab: int
+    engine: Engine,
+    levels: tuple[int, ...],
+    prompt_tokens: int,
+    max_tokens: int,
+    vocab: int,
+    model_dir: Path,
 ) -> list[dict]:
     """For each level C, C greedy requests submitted together.
 
@@ -20,13 +28,17 @@ def bench_concurrency(
     decode_tps counts the tokens emitted once all C streams are decoding together. On one
     rank the same prompts then run through mlx-lm's BatchGenerator (mlx_lm_* keys)."""
     rng = np.random.default_rng(0)
-    results = []
+    results, theirs_model = [], None
+    if engine.control.size == 1:
+        from mlx_lm.utils import load_model
+
+        theirs_model, _ = load_model(model_dir)
     for c in levels:
         prompts = [rng.integers(0, vocab, prompt_tokens).tolist() for _ in range(c)]
         ours = _ours(engine, prompts, max_tokens)
         result = {"concurrency": c, **ours.rates()}
-        if engine.control.size == 1:
-            theirs = _mlx_lm(engine.runner.model, prompts, max_tokens)
+        if theirs_model is not None:
+            theirs = _mlx_lm(theirs_model, prompts, max_tokens)
             result.update({f"mlx_lm_{k}": v for k, v in theirs.rates().items()})
             result["same_tokens_as_mlx_lm"] = ours.tokens == theirs.tokens
         results.append(result)

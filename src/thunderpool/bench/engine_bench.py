@@ -128,7 +128,9 @@ def run_ours(engine: Engine, prompt: list[int], max_tokens: int, meter=None) -> 
 # --- on the leader rank of an instance (called by thunderpool/rank.py) -------------------------
 
 
-def bench_leader(engine: Engine, task: BenchTask, group: mx.distributed.Group, emit) -> None:
+def bench_leader(
+    engine: Engine, task: BenchTask, group: mx.distributed.Group, emit, model_dir: Path
+) -> None:
     """Time `task.repeats` generations, split a decode step, emit one "bench" event."""
     if engine.executor.drafter is not None:
         from thunderpool.bench.speculative import bench_spec_leader
@@ -167,7 +169,7 @@ def bench_leader(engine: Engine, task: BenchTask, group: mx.distributed.Group, e
         from thunderpool.bench.batching import bench_concurrency
 
         result["batching"] = bench_concurrency(
-            engine, task.concurrency, task.prompt_tokens, task.max_tokens, vocab
+            engine, task.concurrency, task.prompt_tokens, task.max_tokens, vocab, model_dir
         )
     emit("bench", **result)
 

@@ -21,6 +21,7 @@ import mlx.core as mx
 from thunderpool.engine.account import StepAccount
 from thunderpool.engine.batch import BatchState, overlaps
 from thunderpool.engine.control import Control
+from thunderpool.engine.draft_length import DraftLengths
 from thunderpool.engine.logits import TokenLogprob
 from thunderpool.engine.measure import collective_latency, solo_compute
 from thunderpool.engine.plan import Prefill, StepPlan
@@ -53,6 +54,7 @@ class Executor:
     ):
         self.runner, self.control = runner, control
         self.drafter = drafter  # leader: the draft model of speculative decoding (speculate.py)
+        self.draft_lengths = DraftLengths()  # each row's draft length from its acceptance
         if drafter is not None:
             from thunderpool.engine.batch import rows_trimmable
             from thunderpool.engine.speculate import SpecStats, check_speculable
@@ -122,6 +124,7 @@ class Executor:
             self.samplers.pop(sid, None)
             if self.drafter is not None:
                 self.drafter.drop(sid)
+                self.draft_lengths.drop(sid)
         if self.next is not None and keep is not None:
             self.next = self.next[mx.array(keep)] if keep else None
 

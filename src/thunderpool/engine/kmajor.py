@@ -30,7 +30,7 @@ PLAIN = frozenset({"Linear", "AllToShardedLinear", "ShardedToAllLinear"})
 FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 # Up to this many rows a product is split over the CPU streams by input blocks (as the
 # compiled decode step does); past it one BLAS call spreads better (docs/benchmarks.md §14).
-SPLIT_ROWS = 16
+SPLIT_ROWS = 32
 
 
 def wanted() -> bool:

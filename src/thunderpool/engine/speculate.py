@@ -35,10 +35,10 @@ if TYPE_CHECKING:
     from thunderpool.engine.plan import StepPlan
 
 DEFAULT_K = 4
-# The most decoding rows that still speculate: on a quiet machine per-row speculation beat
-# plain batched decoding at 1 and 2 rows and lost at 4 (docs/benchmarks.md section 13; the
-# 4-row gain of section 9 was read on a loaded one); 3 rows are unmeasured, so plain.
-MAX_ROWS = 2
+# The most decoding rows that still speculate: on a quiet machine, with input-major weights
+# (engine/kmajor.py), per-row speculation beat plain batched decoding at 1 to 4 rows (1.98x,
+# 1.43x, 1.13x, 1.05x; docs/benchmarks.md section 14); more rows are unmeasured, so plain.
+MAX_ROWS = 4
 # Cache types whose rejected tail can be cut by trim() at any length (no ring, no recurrence).
 TRIMMABLE = {"KVCache", "BatchKVCache", "QuantizedKVCache", "ConcatenateKVCache"}
 
@@ -345,9 +345,10 @@ def lead(executor: Executor, k: int, sink, fresh: int | None) -> None:
         room = min(rooms.values(), default=0)
         if room <= 0:
             break
-        # Each row drafts within its own room; the step verifies the longest row's drafts,
-        # the others padded (so a row near its end no longer cuts every row's drafts).
-        own = [min(k, rooms.get(sid, room) - 1) for sid in sids]
+        # Each row drafts within its own room and its measured acceptance (draft_length.py);
+        # the step verifies the longest row's drafts, the others padded.
+        lengths = ex.draft_lengths
+        own = [min(lengths.length(sid, k), rooms.get(sid, room) - 1) for sid in sids]
         n = max((own[i] for i in drafted), default=0)
         if acct:  # the host's part: since the last step's end, the budget's question included
             acct.begin(B)
@@ -384,6 +385,7 @@ def lead(executor: Executor, k: int, sink, fresh: int | None) -> None:
         for i, (d, _) in zip(drafted, proposals, strict=True):
             accepted = len(outs[i]) - 1
             drafter.settle(sids[i], n, accepted)
+            lengths.observe(sids[i], len(d), accepted)
             stats.steps, stats.proposed = stats.steps + 1, stats.proposed + len(d)
             stats.accepted, stats.emitted = stats.accepted + accepted, stats.emitted + len(outs[i])
         if acct:
