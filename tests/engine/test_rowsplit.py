@@ -51,11 +51,11 @@ from pathlib import Path
 runner, _, _ = load_shard(Path(sys.argv[1]), mx.distributed.init(), Layout(compile=True))
 cache = runner.make_cache()
 seen = []
-out = runner.forward(mx.array([list(range(3, 23))]), cache); mx.eval(out)
+out = runner.forward(mx.array([list(range(3, 43))]), cache); mx.eval(out)
 seen.append(blis.bli_thread_get_num_threads())
 out = runner.decode(mx.argmax(out, -1)[:, None], cache); mx.eval(out)
 seen.append(blis.bli_thread_get_num_threads())
-out = runner.forward(mx.array([list(range(5, 25))]), runner.make_cache()); mx.eval(out)
+out = runner.forward(mx.array([list(range(5, 45))]), runner.make_cache()); mx.eval(out)
 seen.append(blis.bli_thread_get_num_threads())
 out = runner.verify(mx.array([[5, 8, 9]]), runner.make_cache()); mx.eval(out)
 seen.append(blis.bli_thread_get_num_threads())
@@ -75,5 +75,5 @@ def test_compiled_decode_runs_blis_on_one_thread_and_prefill_on_all(tmp_path):
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    # prefill (20 tokens), decode, prefill, a 3-token verify (split over the streams)
+    # prefill (40 tokens), decode, prefill, a 3-token verify (split over the streams)
     assert done.stdout.split() == ["1", "3", "1", "3", "1"]
