@@ -270,8 +270,9 @@ def test_spec_bench_accounts_for_plain_batched_and_speculative_steps(tiny_models
 
 
 def test_batching_bench_runs_mlx_lms_batch_generator_on_the_same_prompts(tiny_models):
-    """bench --concurrency on one rank: mlx-lm's BatchGenerator on the same model and
-    prompts, beside ours, with the same greedy tokens in every stream."""
+    """bench --concurrency on one rank: mlx-lm's BatchGenerator on the same checkpoint (its
+    own load, in mlx-lm's layout) and prompts, beside ours, with the same greedy tokens in
+    every stream."""
     import mlx.core as mx
 
     from thunderpool.bench.batching import bench_concurrency
@@ -281,7 +282,9 @@ def test_batching_bench_runs_mlx_lms_batch_generator_on_the_same_prompts(tiny_mo
 
     runner = load_shard(tiny_models["llama"], mx.distributed.init(), Layout())[0]
     engine = Engine(runner, Control(runner.group))
-    levels = bench_concurrency(engine, (1, 3), prompt_tokens=9, max_tokens=10, vocab=256)
+    levels = bench_concurrency(
+        engine, (1, 3), prompt_tokens=9, max_tokens=10, vocab=256, model_dir=tiny_models["llama"]
+    )
     assert [r["concurrency"] for r in levels] == [1, 3]
     for r in levels:
         assert r["same_tokens_as_mlx_lm"] is True
