@@ -84,6 +84,16 @@ def test_a_bad_kmajor_setting_is_refused_by_name(monkeypatch):
     assert kmajor.wanted() is False
 
 
+def test_input_major_weights_are_refused_on_a_gpu(monkeypatch):
+    """Untested on a GPU: off there by default, and asking for them is refused by name."""
+    monkeypatch.setattr(kmajor.mx, "default_device", lambda: mx.gpu)
+    monkeypatch.delenv("THUNDERPOOL_KMAJOR", raising=False)
+    assert kmajor.wanted() is False
+    monkeypatch.setenv("THUNDERPOOL_KMAJOR", "1")
+    with pytest.raises(Exception, match="THUNDERPOOL_KMAJOR=1 .* GPU"):
+        kmajor.wanted()
+
+
 def test_input_major_step_keeps_its_products_apart_and_splits_them(family_dirs, monkeypatch):
     """q, k, v and gate, up stay separate products (joining input-major matrices would copy
     the modules' column slices); still half the kernels of eager; split in two, each product

@@ -26,7 +26,7 @@ class DraftLengths:
         if sid not in self._counts:
             return k
         accepted, rejected = self._counts[sid]
-        rate = accepted / (accepted + rejected) if accepted + rejected else 1.0
+        rate = accepted / (accepted + rejected)  # each observed step adds to one of them
         n = 1
         while n < k and rate ** (n + 1) >= MIN_ODDS:
             n += 1

@@ -53,12 +53,7 @@ class Projection:
     def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
         """x @ W.T (+ bias) (+ residual); a single addend goes into the matmul (addmm)."""
         if self.parts and self.kmajor:  # input slices times weight row blocks, summed
-            ss = rowsplit.streams(len(self.parts))
-            y, a = None, 0
-            for p, s in zip(self.parts, ss, strict=True):
-                b = a + p.weight.shape[0]
-                part = p.product(x[..., a:b], s)
-                y, a = part if y is None else y + part, b
+            y = kmajor.summed(x, tuple(p.weight for p in self.parts))
         elif self.parts:
             ss = rowsplit.streams(len(self.parts))
             y = mx.concatenate(
@@ -160,10 +155,9 @@ def fuse(modules: list[nn.Module]) -> Projection | Joined | None:
     kinds = {(_quant(m), _names(m), kmajor.is_kmajor(m)) for m in modules}
     if len(kinds) != 1:
         return None
-    if kmajor.is_kmajor(modules[0]):
+    (quant, names, input_major) = kinds.pop()
+    if input_major:
         return Joined(tuple(_projection(m) for m in modules))
-    kinds = {(_quant(m), _names(m)) for m in modules}
-    (quant, names) = kinds.pop()
     fused = {n: mx.concatenate([m[n] for m in modules], axis=0) for n in names}
     mx.eval(fused)
     start = 0
@@ -214,9 +208,9 @@ def _linear(m: nn.Module) -> Projection | Reduced | None:
     if kind == "SumAfter":  # ours: uneven shares
         local = _linear(m.inner)
         return Reduced(local, m.group, m.get("bias")) if isinstance(local, Projection) else None
-    if kmajor.is_kmajor(m) and m.group is not None:
-        return Reduced(_projection(m, bias=False), m.group, m.get("bias"))
-    if kind in ("ShardedToAllLinear", "QuantizedShardedToAllLinear") and "weight" in m:
+    row_parallel = kind in ("ShardedToAllLinear", "QuantizedShardedToAllLinear")
+    reduced = (row_parallel or kmajor.is_kmajor(m)) and getattr(m, "group", None) is not None
+    if reduced and "weight" in m:
         return Reduced(_projection(m, bias=False), m.group, m.get("bias"))
     return _projection(m) if _plain(m) else None
 

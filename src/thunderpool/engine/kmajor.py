@@ -23,6 +23,7 @@ import mlx.nn as nn
 
 from thunderpool.config import kmajor_choice
 from thunderpool.engine import rowsplit
+from thunderpool.errors import ThunderpoolError
 
 # Module types whose forward is x @ weight.T (+ bias) on a 2-D float weight, around which a
 # TP all_sum may come (mlx's sharded linears; parallel/tensor.SumAfter wraps one of these).
@@ -34,9 +35,15 @@ SPLIT_ROWS = 32
 
 
 def wanted() -> bool:
-    """K-major weights on a CPU rank, unless THUNDERPOOL_KMAJOR turns them off."""
-    choice = kmajor_choice()
-    return choice if choice is not None else mx.default_device() == mx.cpu
+    """K-major weights on a CPU rank, unless THUNDERPOOL_KMAJOR turns them off; refused on a
+    GPU, where no test has compared them with MLX's layout."""
+    choice, cpu = kmajor_choice(), mx.default_device() == mx.cpu
+    if choice and not cpu:
+        raise ThunderpoolError(
+            "THUNDERPOOL_KMAJOR=1 asks for input-major weights on a GPU rank, where they are "
+            "untested; unset it (GPU ranks keep MLX's layout)"
+        )
+    return cpu if choice is None else choice
 
 
 def split_rows(rows: int) -> bool:
@@ -45,10 +52,21 @@ def split_rows(rows: int) -> bool:
     return rows <= SPLIT_ROWS
 
 
+def summed(x: mx.array, blocks: tuple[mx.array, ...]) -> mx.array:
+    """x @ W_t from W_t's consecutive row blocks: each block times its slice of x's inputs, on
+    a CPU stream of its own, then summed."""
+    y, a = None, 0
+    for w, s in zip(blocks, rowsplit.streams(len(blocks)), strict=True):
+        b = a + w.shape[0]
+        part = mx.matmul(x[..., a:b], w, stream=s)
+        y, a = (part if y is None else y + part), b
+    return y
+
+
 class _Blocks:
     """The input-dimension blocks of a weight, kept out of the module's parameters."""
 
-    def __init__(self, blocks: tuple[tuple[int, int, mx.array], ...]):
+    def __init__(self, blocks: tuple[mx.array, ...]):
         self.blocks = blocks
 
 
@@ -67,20 +85,16 @@ class InputMajor(nn.Module):
         reduced = type(source).__name__ == "ShardedToAllLinear"
         self.group = source.group if reduced else None
         cuts = rowsplit.bounds(wt.shape[0], ways) if ways > 1 else []
-        self._blocks = _Blocks(tuple((a, b, wt[a:b]) for a, b in cuts) if len(cuts) > 1 else ())
+        self._blocks = _Blocks(tuple(wt[a:b] for a, b in cuts) if len(cuts) > 1 else ())
         # Evaluated now, views too: a lazy one is tied to this thread's stream, and the engine
         # may step in another thread.
-        mx.eval(self.weight, wt, [w for _, _, w in self._blocks.blocks])
+        mx.eval(self.weight, wt, self._blocks.blocks)
 
     def product(self, x: mx.array) -> mx.array:
         blocks = self._blocks.blocks
         if not blocks or not split_rows(x.size // x.shape[-1]):
             return x @ self["weight"].T
-        y = None
-        for (a, b, w), s in zip(blocks, rowsplit.streams(len(blocks)), strict=True):
-            part = mx.matmul(x[..., a:b], w, stream=s)
-            y = part if y is None else y + part
-        return y
+        return summed(x, blocks)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.product(x)
