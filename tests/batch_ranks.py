@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -38,6 +39,7 @@ from thunderpool.engine.loader import Layout, load_shard, read_config
 from thunderpool.engine.plan import STOP_PLAN, StepPlan
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.sequence import TextRequests
+from thunderpool.engine.speculate import draft_ranks
 
 
 def plan_name(plan: StepPlan) -> str:
@@ -90,7 +92,8 @@ def run_scenario(runner, control: Control, tokenizer, spec: dict, drafter=None) 
     send, burst_step = control.send, control.burst_step
 
     def logged_send(data: bytes) -> None:
-        events.append(plan_name(StepPlan.decode_bytes(data)))
+        # A plan is JSON; a sharded draft's verify header (speculate._header) is not.
+        events.append(plan_name(StepPlan.decode_bytes(data)) if data[:1] == b"{" else "v")
         send(data)
 
     def logged_burst_step(*args, **kwargs):
@@ -149,6 +152,7 @@ def run_scenario(runner, control: Control, tokenizer, spec: dict, drafter=None) 
     result = {"out": out, "events": events, "per_token": per_token, "left": left}
     if (stats := getattr(engine.executor, "spec_stats", None)) is not None:
         result["spec"] = [stats.steps, stats.proposed, stats.accepted, stats.emitted]
+        result["draft_ranks"] = draft_ranks(drafter)
     return result
 
 
@@ -174,21 +178,31 @@ def run_batch(spec: dict, group, stage: int = 0) -> dict | None:
     )
     runner, config, _ = load_shard(model, group, layout)
     control = control_for(runner)
+    drafter = None
+    if spec.get("draft"):  # as a rank builds it: sharded on every TP rank, else the leader's
+        from thunderpool.engine.draft_load import drafter_for
+
+        if group.rank() in spec.get("whole_draft_votes", ()):  # e.g. a node without its files
+            os.environ["THUNDERPOOL_DRAFT_SHARDS"] = "0"
+
+        job = SimpleNamespace(
+            draft_model=spec["draft"],
+            model_dir=str(model),
+            spec_k=spec.get("spec_k", 4),
+            compile=None,
+        )
+        drafter = drafter_for(job, runner, control, layout)
     if not runner.is_leader:
         if spec.get("pipeline") is not None:
             executor.overlaps = lambda runner: spec["pipeline"]  # the follower's choice too
-        follow(runner, control)
+        follow(runner, control, drafter)
         return None
     tokenizer = None
     if spec.get("tokenizer"):
         from mlx_lm.utils import load_tokenizer
 
         tokenizer = load_tokenizer(model, eos_token_ids=read_config(model).get("eos_token_id"))
-    drafter = None
-    if spec.get("draft"):
-        from thunderpool.engine.speculate import load_drafter
-
-        drafter = load_drafter(Path(spec["draft"]), model, spec.get("spec_k", 4))
+    if drafter is not None:
         drafter.max_rows = spec.get("max_rows", drafter.max_rows)
     try:
         return run_scenario(runner, control, tokenizer, spec, drafter)

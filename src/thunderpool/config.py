@@ -74,6 +74,18 @@ def kmajor_choice() -> bool | None:
     return value == "1"
 
 
+def draft_shards_choice() -> bool:
+    """THUNDERPOOL_DRAFT_SHARDS: 0 keeps a TP layout's draft whole on the leader; unset (or
+    "auto") shards it like the target where every rank holds its files (engine/draft_load.py)."""
+    value = os.environ.get("THUNDERPOOL_DRAFT_SHARDS", "auto").strip().lower()
+    if value not in ("0", "auto"):
+        raise ThunderpoolError(
+            f"THUNDERPOOL_DRAFT_SHARDS={value!r} is not 0 or auto; unset it, or set 0 to "
+            "draft on the leader alone"
+        )
+    return value == "auto"
+
+
 def lifeline_fd() -> int | None:
     """THUNDERPOOL_LIFELINE_FD: in a rank, the file its launcher's lifeline arrives on
     (cluster/lifeline.py); None for a rank started by hand."""

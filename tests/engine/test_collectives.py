@@ -115,3 +115,27 @@ def test_two_ranks_count_per_serve_decode_step(tiny_models, tmp_path, kind, pipe
         "all_gather": built,
         "all_sum": built * (2 * LAYERS + 2),
     }
+
+
+def test_solo_steps_issue_no_collective_and_leave_the_engine_as_it_was(tiny_models):
+    """measure.solo_step_ms (bench's split of a TP step's forward) on the one-process TP
+    layout: a verify of 5 positions and a compiled 2-row decode step, timed with every
+    collective stood in for (none reaches mx.distributed), then the engine decodes the same
+    tokens as before."""
+    from thunderpool.engine.measure import solo_step_ms
+    from thunderpool.engine.sampling import SamplingParams
+
+    group = mx.distributed.init()
+    runner, _, _ = load_shard(tiny_models["qwen3"], group, Layout())
+    for layer in runner.model.layers:
+        tensor.shard_attention(layer.self_attn, tensor.HeadShare(0, 6, 0, 3), group)
+        tensor.shard_mlp(layer.mlp, [1.0], 0, group)
+    engine = Engine(runner, Control(group))
+    prompt, params = list(range(1, 9)), SamplingParams(max_tokens=6)
+    before, after = [], []
+    engine.generate(prompt, params, lambda ev: before.append(ev.token))
+    with counting_collectives() as counts:
+        ms = [solo_step_ms(runner, prompt, 2, rows, width) for rows, width in ((1, 5), (2, 1))]
+    assert counts == {} and all(m > 0 for m in ms)
+    engine.generate(prompt, params, lambda ev: after.append(ev.token))
+    assert after == before and len(before) == 6

@@ -22,12 +22,12 @@ from mlx_lm.utils import load_model
 from thunderpool.bench.synthetic import write_truncated
 from thunderpool.engine import kv_quant
 from thunderpool.engine.control import Control
+from thunderpool.engine.drafter import Drafter
 from thunderpool.engine.engine import Engine
 from thunderpool.engine.loader import Layout, load_shard, read_config
 from thunderpool.engine.prefix import kv_bytes_per_token
 from thunderpool.engine.prefix_kv import PrefixStore
 from thunderpool.engine.sampling import SamplingParams
-from thunderpool.engine.speculate import Drafter
 from thunderpool.errors import ShardingError
 
 

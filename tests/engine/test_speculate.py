@@ -15,17 +15,13 @@ from mlx_lm.utils import load_model
 
 from thunderpool.bench.synthetic import write_truncated
 from thunderpool.engine.control import Control
+from thunderpool.engine.draft_load import load_drafter
+from thunderpool.engine.drafter import Drafter, check_speculable
 from thunderpool.engine.engine import Engine
 from thunderpool.engine.loader import Layout, load_shard
 from thunderpool.engine.plan import StepPlan
 from thunderpool.engine.sampling import SamplingParams
-from thunderpool.engine.speculate import (
-    Drafter,
-    accept_greedy,
-    accept_sampled,
-    check_speculable,
-    load_drafter,
-)
+from thunderpool.engine.speculate import accept_greedy, accept_sampled
 from thunderpool.errors import ThunderpoolError
 
 GREEDY = SamplingParams(max_tokens=40)
@@ -177,6 +173,8 @@ def test_speculation_is_exact_on_two_ranks(runner, models, tmp_path, parallel):
     np.testing.assert_array_equal(out["tokens"], np.array(plain))
     done = next(e.event for e in out["events"] if e.event["kind"] == "done")
     assert done["spec_steps"] > 0 and 0 < done["spec_acceptance"] < 1
+    # TP shards the draft like the target (both ranks draft); PP drafts on the leader.
+    assert done["spec_draft_ranks"] == (2 if parallel == "tp" else 1)
     np.testing.assert_allclose(out["logits"], np.stack(logits), atol=1e-4, rtol=1e-4)
 
 

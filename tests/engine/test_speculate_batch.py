@@ -17,8 +17,8 @@ from thunderpool.bench.synthetic import write_truncated
 from thunderpool.engine import batch as batch_module
 from thunderpool.engine.batch import trim_rows
 from thunderpool.engine.control import Control
+from thunderpool.engine.draft_load import load_drafter
 from thunderpool.engine.loader import Layout, load_shard
-from thunderpool.engine.speculate import load_drafter
 
 GREEDY = {"temperature": 0.0}
 PENALIZED, SAMPLED, CANCELLED = 1, 3, 2  # request indices
@@ -147,12 +147,16 @@ def test_batched_speculation_gives_the_plain_batched_tokens(runner, models, monk
 
 
 @pytest.mark.slow
-def test_batched_speculation_is_exact_on_tp2(runner, models, tmp_path):
+@pytest.mark.parametrize("votes", [(), (1,)], ids=["sharded-draft", "follower-votes-whole"])
+def test_batched_speculation_is_exact_on_tp2(runner, models, tmp_path, votes):
+    """Both TP2 ways to draft: sharded like the target (both ranks draft in lockstep), and
+    whole on the leader where a follower cannot hold the draft (it votes so: draft_load.py)."""
     spec = scenario(models)
     plain = run_scenario(runner, Control(runner.group), None, spec)
     # Up to 4 rows speculate (the default is 2): the exchange carries every row's drafts.
     tp = {"parallel": "tp", "draft": str(models["cut"]), "spec_k": 3, "max_rows": 4}
-    got = run_ranks(spec | tp, tmp_path)
+    got = run_ranks(spec | tp | {"whole_draft_votes": votes}, tmp_path)
+    assert got["draft_ranks"] == (1 if votes else 2)
     assert greedy_rows(got["out"]) == greedy_rows(plain["out"])
     assert len(got["out"][SAMPLED]["tokens"]) == 12
     steps, proposed, accepted, _ = got["spec"]

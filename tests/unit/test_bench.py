@@ -289,3 +289,14 @@ def test_batching_bench_runs_mlx_lms_batch_generator_on_the_same_prompts(tiny_mo
     for r in levels:
         assert r["same_tokens_as_mlx_lm"] is True
         assert r["mlx_lm_decode_tps"] > 0 and r["decode_tps"] > 0
+
+
+def test_a_tp_steps_forward_splits_into_compute_waiting_and_collectives():
+    """bench's split of an accounted forward (median 30 ms) by each rank's forward timed
+    alone: the leader's 20 ms, the slower rank's 4 ms more, and the 6 ms left."""
+    from thunderpool.bench.accounts import forward_split
+
+    account = {"forward": {"median_ms": 30.0}}
+    split = forward_split(account, [20.0, 24.0])
+    assert split == {"compute alone": 20.0, "waiting": 4.0, "collectives": 6.0}
+    assert forward_split(account, []) == {}  # one rank: nothing to split

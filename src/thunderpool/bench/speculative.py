@@ -10,7 +10,7 @@ import statistics
 import time
 from pathlib import Path
 
-from thunderpool.bench.accounts import accounted, print_accounts
+from thunderpool.bench.accounts import accounted, print_accounts, solo_forward
 from thunderpool.bench.engine_bench import (
     PROMPT_SEED,
     WARMUP_TOKENS,
@@ -48,7 +48,16 @@ def bench_spec_leader(engine: Engine, task: BenchTask, emit) -> None:
         ex.drafter, ex.spec_stats = (drafter if mode == "spec" else None), SpecStats()
         acct = accounted(engine, lambda: run_ours(engine, prompt, task.max_tokens))
         timed_ms = 1e3 / statistics.median(tps[mode]) if statistics.median(tps[mode]) else 0.0
-        accounts.append({"mode": mode, "rows": 1, "account": acct, "timed_ms_per_token": timed_ms})
+        solo = solo_forward(engine, prompt, 1, round(acct.get("width", 1)))
+        accounts.append(
+            {
+                "mode": mode,
+                "rows": 1,
+                "account": acct,
+                "timed_ms_per_token": timed_ms,
+                "solo_ms": solo,
+            }
+        )
     ex.drafter = drafter
     stats = [s for _, s in runs["spec"]]
     plain, spec = statistics.median(tps["plain"]), statistics.median(tps["spec"])
@@ -118,8 +127,15 @@ def bench_spec_batch(engine: Engine, task: BenchTask, rows: int) -> dict:
         # Per row's token: a step delivers a token to each row.
         tps = statistics.median(result[f"{mode}_decode_tps"])
         timed = 1e3 / tps if tps else 0.0
+        solo = solo_forward(engine, prompts[0], rows, round(acct.get("width", 1)))
         result["accounts"].append(
-            {"mode": mode, "rows": rows, "account": acct, "timed_ms_per_token": timed}
+            {
+                "mode": mode,
+                "rows": rows,
+                "account": acct,
+                "timed_ms_per_token": timed,
+                "solo_ms": solo,
+            }
         )
     ex.drafter, drafter.max_rows = drafter, limit
     stats = [s for _, s in runs["spec"]]

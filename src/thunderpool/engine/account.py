@@ -23,16 +23,18 @@ class StepAccount:
     def __init__(self):
         self.steps: list[dict[str, float]] = []  # seconds by part, one dict per step
         self.rows: list[int] = []  # decoding rows of each step
+        self.widths: list[int] = []  # positions each row's forward takes (verify: n+1)
         self.tokens: list[int] = []  # tokens each step delivered
         self.outside = 0  # tokens delivered outside any step (a prefill's first token)
         self._last: float | None = None
 
-    def begin(self, rows: int) -> None:
+    def begin(self, rows: int, width: int = 1) -> None:
         """A step starts: the time since the previous step's end is the host's."""
         now = time.perf_counter()
         host = now - self._last if self._last is not None else 0.0
         self.steps.append({"host": host})
         self.rows.append(rows)
+        self.widths.append(width)
         self.tokens.append(0)
         self._last = now
 
@@ -66,6 +68,7 @@ class StepAccount:
         tokens = statistics.median(self.tokens[i] for i in keep)
         out: dict = {"steps": len(steps), "tokens_per_step": tokens}
         out["rows"] = statistics.median(self.rows[i] for i in keep)
+        out["width"] = statistics.median(self.widths[i] for i in keep)
         for part in (*PARTS, "total"):
             if part == "total":
                 values = [sum(s.values()) for s in steps]

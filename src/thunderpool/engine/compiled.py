@@ -118,7 +118,7 @@ class CompiledDecode:
     """`decode(x, cache)`: `forward(x, step caches)` compiled, on the mlx-lm caches."""
 
     def __init__(self, forward: Callable, fused_forward: fused.FusedForward | None):
-        self.fused = fused_forward
+        self.forward, self.fused = forward, fused_forward  # kept: measure.py traces it afresh
 
         def step(x, idx, left, *buffers):
             n = len(buffers) // 2

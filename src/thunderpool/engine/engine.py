@@ -52,7 +52,7 @@ class Engine:
     ):
         """`tokenizer` (mlx-lm's, the leader's): lets requests carry a json_schema."""
         self.runner, self.control = runner, control
-        # drafter: speculate.Drafter on the leader, for speculative decoding (or None).
+        # drafter: drafter.Drafter on the leader, for speculative decoding (or None).
         self.executor = Executor(runner, control, pipeline, drafter)
         if tokenizer is not None:
             from thunderpool.engine.constraint import Grammars
@@ -173,7 +173,7 @@ class Engine:
 
     def measure(self, op: str, *args):
         """Every rank runs a measurement (measure.py): "probe" (shape, repeats, collective)
-        or "solo" (prompt, steps)."""
+        or "solo" (prompt, steps[, rows, width])."""
         return self._execute(StepPlan(op, args=args))  # type: ignore[arg-type]
 
     def shutdown(self) -> None:
@@ -236,9 +236,10 @@ def prefix_index(runner: Runner, budget_tokens: int) -> PrefixIndex | None:
     return PrefixIndex(budget_tokens, limit) if limit > 0 else None
 
 
-def follow(runner: Runner, control: Control) -> None:
-    """A follower: executes the leader's plans until it says stop."""
-    executor = Executor(runner, control)
+def follow(runner: Runner, control: Control, drafter=None) -> None:
+    """A follower: executes the leader's plans until it says stop (`drafter`: its shard of a
+    draft sharded like the target, draft_load.py)."""
+    executor = Executor(runner, control, drafter=drafter)
     while (plan := StepPlan.decode_bytes(control.receive())).op != "stop":
         executor.execute(plan)
     mx.synchronize()

@@ -31,7 +31,7 @@ from thunderpool.engine.sampling import Sampler, SamplingParams, sample_rows
 from thunderpool.engine.wake import Waker
 
 if TYPE_CHECKING:
-    from thunderpool.engine.speculate import Drafter
+    from thunderpool.engine.drafter import Drafter
 
 
 class Sink(Protocol):
@@ -53,11 +53,13 @@ class Executor:
         drafter: Drafter | None = None,
     ):
         self.runner, self.control = runner, control
-        self.drafter = drafter  # leader: the draft model of speculative decoding (speculate.py)
+        # The draft of speculative decoding (drafter.py): the leader's, or every TP rank's shard.
+        self.drafter = drafter
         self.draft_lengths = DraftLengths()  # each row's draft length from its acceptance
         if drafter is not None:
             from thunderpool.engine.batch import rows_trimmable
-            from thunderpool.engine.speculate import SpecStats, check_speculable
+            from thunderpool.engine.drafter import check_speculable
+            from thunderpool.engine.speculate import SpecStats
 
             check_speculable(runner.make_cache(), "model")
             self.spec_stats = SpecStats()
@@ -111,9 +113,9 @@ class Executor:
             case "probe":
                 shape, repeats, op = plan.args
                 return collective_latency(self.control.group, tuple(shape), repeats, op)
-            case "solo":
-                prompt, steps = plan.args
-                return solo_compute(self.runner, self.control.group, prompt, steps)
+            case "solo":  # (prompt, steps) or (prompt, steps, rows, width)
+                prompt, steps, *shape = plan.args
+                return solo_compute(self.runner, self.control.group, prompt, steps, *shape)
         return None
 
     def _drop(self, drop: tuple[int, ...]) -> None:
@@ -137,7 +139,7 @@ class Executor:
         seen = (*self.reused_heads.pop(p.sid, ()), *p.tokens) if self.leads else p.tokens
         if self.leads and (sampler := self.samplers.get(p.sid)) is not None:
             sampler.observe_prompt(seen)  # the repetition penalty covers the prompt
-        if self.drafter is not None:
+        if self.drafter is not None and self.leads:  # a sharded draft's followers: _header
             self.drafter.extend(p.sid, list(seen))
         if p.reuse is not None:
             entry, n = p.reuse

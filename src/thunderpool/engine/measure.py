@@ -100,11 +100,42 @@ def _next_token(runner: Runner, out: mx.array | None, fallback: int) -> mx.array
     return mx.array([fallback])
 
 
+def solo_step_ms(runner: Runner, prompt: list[int], steps: int, rows: int, width: int) -> float:
+    """Median ms of one forward of `rows` rows of `width` tokens (a decode step: 1; a verify
+    step: k+1) after `prompt`, on this rank's shard alone, each step evaluated before the
+    next. A decode step takes the compiled step where the engine would, traced afresh inside
+    the stand-ins; the cache is cut back after each step, so every one sees the same context."""
+    from thunderpool.engine import compiled, rowsplit
+
+    with solo_collectives():
+        cache = runner.make_cache()
+        mx.eval(*_arrays(runner.forward(mx.array([prompt] * rows), cache)))
+        tokens = mx.array([[prompt[-1]] * width] * rows)
+        step = lambda t, c: runner.verify(t, c)  # noqa: E731
+        if width == 1:
+            step = runner.forward
+            if runner.compiled is not None and runner.stage is None and compiled.eligible(cache):
+                rowsplit.blas_threads(one_row=True)
+                step = compiled.CompiledDecode(runner.compiled.forward, None).decode
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            mx.eval(*_arrays(step(tokens, cache)))
+            times.append(time.perf_counter() - start)
+            for c in cache:
+                c.trim(width)
+    return statistics.median(times) * 1e3
+
+
 def solo_compute(
-    runner: Runner, group: mx.distributed.Group, prompt: list[int], steps: int
+    runner: Runner, group: mx.distributed.Group, prompt: list[int], steps: int, *shape: int
 ) -> list[float]:
-    """Every rank runs `solo_decode_ms` at once; returns each rank's median ms (all ranks)."""
-    mine = solo_decode_ms(runner, prompt, steps)
+    """Every rank runs `solo_decode_ms` (or, given (rows, width), `solo_step_ms`) at once;
+    returns each rank's median ms (all ranks)."""
+    if shape:
+        mine = solo_step_ms(runner, prompt, steps, *shape)
+    else:
+        mine = solo_decode_ms(runner, prompt, steps)
     slots = [0.0] * group.size()
     slots[group.rank()] = mine
     if group.size() == 1:

@@ -36,8 +36,8 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import MODEL_REMAPPING, _get_classes
 
+from thunderpool.engine.drafter import DEFAULT_K, draw, trim
 from thunderpool.engine.sampling import SamplingParams
-from thunderpool.engine.speculate import DEFAULT_K, draw, trim
 from thunderpool.errors import ThunderpoolError
 
 # Families whose MTP layer is a decoder layer of the model's own class, by its class name.

@@ -12,12 +12,13 @@ import mlx.core as mx
 import numpy as np
 
 from thunderpool.engine.control import control_for
+from thunderpool.engine.draft_load import drafter_for
 from thunderpool.engine.engine import Engine, follow
 from thunderpool.engine.job import GenerateTask, RankJob, TraceTask
 from thunderpool.engine.loader import Layout, load_shard, peak_rss_bytes
 from thunderpool.engine.prefix import kv_bytes_per_token
 from thunderpool.engine.sequence import TextEdge
-from thunderpool.engine.speculate import drafter_for, spec_fields
+from thunderpool.engine.speculate import spec_fields
 
 NO_CONTEXT_LIMIT = 1 << 62  # generate, trace and bench stop at max_tokens only
 Emit = Callable[..., None]
@@ -35,8 +36,9 @@ def run(
     runner, config, stats = load_shard(Path(job.model_dir), group, layout, progress)
     emit("loaded", **stats.as_event())
     control = control_for(runner)
+    drafter = drafter_for(job, runner, control, layout)  # every rank: may be sharded
     if not runner.is_leader:
-        follow(runner, control)
+        follow(runner, control, drafter)
     else:
         eos = set()
         if isinstance(job.task, GenerateTask):
@@ -48,7 +50,7 @@ def run(
             prefill_chunk=job.prefill_chunk,
             max_context=NO_CONTEXT_LIMIT,
             eos=eos,
-            drafter=drafter_for(job),
+            drafter=drafter,
         )
         try:
             match job.task:

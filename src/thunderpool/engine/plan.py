@@ -55,7 +55,8 @@ class StepPlan:
     prefill: Prefill | None = None
     join: tuple[int, ...] = ()
     decode: bool = False
-    args: tuple = ()  # probe: (shape, repeats, op); solo: (prompt, steps); park: wake address
+    # probe: (shape, repeats, op); solo: (prompt, steps[, rows, width]); park: wake address
+    args: tuple = ()
     spec: int = 0  # > 0: the decode is a speculative verify burst of up to `spec` drafts
 
     def __post_init__(self):

@@ -16,10 +16,11 @@ import numpy as np
 
 from thunderpool.config import link_token_from_env
 from thunderpool.engine.control import control_for
+from thunderpool.engine.draft_load import drafter_for
 from thunderpool.engine.engine import Engine, follow
 from thunderpool.engine.job import RankJob, ServeTask
 from thunderpool.engine.loader import Layout, load_shard, on_metal, peak_rss_bytes
-from thunderpool.engine.speculate import drafter_for, spec_metrics
+from thunderpool.engine.speculate import spec_metrics
 from thunderpool.errors import LaunchError
 
 
@@ -49,8 +50,9 @@ def serve(
     report_memory(emit)
     memory = gather(group, [stats.param_bytes, peak_rss_bytes()])
     control = control_for(runner)
+    drafter = drafter_for(job, runner, control, layout)  # every rank: may be sharded
     if not runner.is_leader:
-        follow(runner, control)
+        follow(runner, control, drafter)
         return
     from mlx_lm.utils import load_tokenizer
 
@@ -69,7 +71,7 @@ def serve(
         max_context=max_context,
         eos=set(tokenizer.eos_token_ids or []),
         tokenizer=tokenizer,
-        drafter=drafter_for(job),
+        drafter=drafter,
         prefix_cache_tokens=budget_tokens(
             task.prefix_cache_bytes, config, job.kv_bits, job.kv_group_size
         ),

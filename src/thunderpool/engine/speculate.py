@@ -1,46 +1,37 @@
-"""Speculative decoding in lockstep: a draft model on the leader proposes up to k tokens per
-row, every rank verifies all rows in one forward of the sharded target, the leader accepts by
-the standard rule per row.
+"""Speculative decoding in lockstep: a draft proposes up to k tokens per row (drafter.py),
+every rank verifies all rows in one forward of the sharded target, the leader accepts by the
+standard rule per row.
 
-A verify burst (plan.spec = k) of B rows is a loop of exchanges of 2 + B(k+2) int32
-(Control.share_ints): [go, n, trim of each row, t0 of each row, k drafts of each row]. Every
-rank first cuts each row's rejected tail of the previous verify from its KV cache
-(batch.trim_rows; uneven tails become left padding); with go=1 it then runs the target on
-(B, n+1) tokens [t0, d1..dn]; go=0 ends the burst. So followers learn each accept decision one
-exchange later, and every rank issues the same collectives in the same order. Rows whose
-sampling the accept rule cannot keep exact (SamplingParams.speculable) ride along with k=0:
-their drafts are padding, cut again, and their own sampler draws one token from position 0.
-Batches of more than Drafter.max_rows rows decode plainly (choose_k). Accept rules follow
-Leviathan et al. 2023 (greedy: longest agreeing prefix plus the target's own next token;
-sampling: accept d with min(1, p(d)/q(d)), else draw from (p-q)+).
+With the draft whole on the leader, a verify burst (plan.spec = k) of B rows is a loop of
+exchanges of 2 + B(k+2) int32 (Control.share_ints) after each drafting: [go, n, trim of each
+row, t0 of each row, k drafts of each row]. With a draft sharded like the target, every rank
+drafts, so the exchange comes before the drafting and carries what the other ranks' drafts
+need instead of the drafts (`_header`); the draft tokens are shared per position as they are
+drawn. Either way every rank first cuts each row's rejected tail of the previous verify from
+its KV cache (batch.trim_rows; uneven tails become left padding); with go=1 it then runs the
+target on (B, n+1) tokens [t0, d1..dn]; go=0 ends the burst. So followers learn each accept
+decision one exchange later, and every rank issues the same collectives in the same order.
+Rows whose sampling the accept rule cannot keep exact (SamplingParams.speculable) ride along
+with k=0: their drafts are padding, cut again, and their own sampler draws one token from
+position 0. Batches of more than Drafter.max_rows rows decode plainly (choose_k). Accept rules
+follow Leviathan et al. 2023 (greedy: longest agreeing prefix plus the target's own next
+token; sampling: accept d with min(1, p(d)/q(d)), else draw from (p-q)+).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-from thunderpool.engine import compiled
-from thunderpool.engine.sampling import SamplingParams
-from thunderpool.errors import ThunderpoolError
+from thunderpool.engine.drafter import MAX_ROWS, distribution, row_rng
 
 if TYPE_CHECKING:
     from thunderpool.engine.executor import Executor
     from thunderpool.engine.plan import StepPlan
-
-DEFAULT_K = 4
-# The most decoding rows that still speculate: on a quiet machine, with input-major weights
-# (engine/kmajor.py), per-row speculation beat plain batched decoding at 1 to 4 rows (1.98x,
-# 1.43x, 1.13x, 1.05x; docs/benchmarks.md section 14); more rows are unmeasured, so plain.
-MAX_ROWS = 4
-# Cache types whose rejected tail can be cut by trim() at any length (no ring, no recurrence).
-TRIMMABLE = {"KVCache", "BatchKVCache", "QuantizedKVCache", "ConcatenateKVCache"}
+    from thunderpool.engine.sampling import SamplingParams
 
 
 @dataclass(slots=True)
@@ -70,7 +61,14 @@ def spec_fields(engine) -> dict:
         "spec_steps": stats.steps,
         "spec_acceptance": stats.acceptance,
         "spec_tokens_per_step": stats.tokens_per_step,
+        "spec_draft_ranks": draft_ranks(engine.executor.drafter),
     }
+
+
+def draft_ranks(drafter) -> int:
+    """How many ranks run the draft: a sharded one every TP rank, else the leader alone."""
+    shard = getattr(drafter, "shard", None)
+    return shard.runner.size if shard is not None else 1
 
 
 def spec_metrics(engine) -> dict[str, float]:
@@ -85,43 +83,6 @@ def spec_metrics(engine) -> dict[str, float]:
         "spec_acceptance_rate": stats.acceptance,
         "spec_tokens_per_step": stats.tokens_per_step,
     }
-
-
-def untrimmable(cache: list) -> list[str]:
-    """The names of cache types in `cache` that cannot drop a rejected tail."""
-    bad = []
-    for c in cache:
-        for part in getattr(c, "caches", (c,)):
-            if type(part).__name__ not in TRIMMABLE:
-                bad.append(type(part).__name__)
-    return sorted(set(bad))
-
-
-def check_speculable(cache: list, what: str) -> None:
-    if bad := untrimmable(cache):
-        raise ThunderpoolError(
-            f"speculative decoding needs KV caches that can drop rejected tokens, but the {what} "
-            f"uses {', '.join(bad)} (sliding window or recurrent state); run without --draft-model"
-        )
-
-
-def trim(cache: list, n: int) -> None:
-    if n > 0:
-        for c in cache:
-            c.trim(n)
-
-
-def distribution(logits: mx.array, params: SamplingParams) -> np.ndarray:
-    """logits (L, V) -> the sampler's distribution (L, V) as float64: temperature, top-k and
-    top-p applied as in sampling.Sampler."""
-    logprobs = logits.astype(mx.float32)
-    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
-    if 0 < params.top_k < logprobs.shape[-1]:
-        logprobs = apply_top_k(logprobs, params.top_k)
-    if params.top_p < 1:
-        logprobs = apply_top_p(logprobs, params.top_p)
-    probs = np.array(mx.softmax(logprobs * (1 / params.temperature), axis=-1), np.float64)
-    return probs / probs.sum(axis=-1, keepdims=True)
 
 
 def accept_greedy(drafts: list[int], target: list[int]) -> list[int]:
@@ -147,153 +108,6 @@ def accept_sampled(
         return out
     out.append(int(rng.choice(p.shape[-1], p=p[len(drafts)])))
     return out
-
-
-def draw(
-    logits: mx.array, params: SamplingParams, rngs: dict, sid: int
-) -> tuple[int, np.ndarray | None]:
-    """One draft token: the argmax (greedy), or a draw from the draft's distribution q (then
-    returned too, for the accept rule) with the row's own seeded generator."""
-    if params.greedy:
-        return int(mx.argmax(logits).item()), None
-    q = distribution(logits[None], params)[0]
-    rng = rngs.setdefault(sid, _rng(params))
-    return int(rng.choice(q.shape[-1], p=q)), q
-
-
-def _rng(params: SamplingParams) -> np.random.Generator:
-    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
-    return np.random.default_rng(seed)
-
-
-class Drafter:
-    """The draft model on the leader: one prefix cache per sequence, fed lazily with the
-    sequence's tokens (prompt and delivered ones) the first time that sequence speculates."""
-
-    def __init__(
-        self,
-        model,
-        k: int = DEFAULT_K,
-        vocab: int | None = None,
-        max_rows: int = MAX_ROWS,
-        compile: bool | None = None,
-    ):
-        if k < 1:
-            raise ThunderpoolError(f"--spec-k {k} must be at least 1")
-        from mlx_lm.models.cache import make_prompt_cache
-
-        self.model, self.k, self.vocab = model, k, vocab
-        self.max_rows = max_rows  # batches of more rows decode plainly (choose_k)
-        self._make_cache = lambda: make_prompt_cache(model)
-        # One-token draft steps take the compiled, fused step where the family has one: on a
-        # CPU its products then use every core, as the target's decode does (runner.py).
-        self.runner = _draft_runner(model, compile)
-        check_speculable(self._make_cache(), "draft model")
-        self.seqs: dict[int, list[int]] = {}
-        self.fed: dict[int, int] = {}  # tokens of seqs[sid] in the draft cache
-        self.caches: dict[int, list] = {}
-        self.rngs: dict[int, np.random.Generator] = {}
-
-    def extend(self, sid: int, tokens: list[int]) -> None:
-        self.seqs.setdefault(sid, []).extend(tokens)
-
-    def drop(self, sid: int) -> None:
-        for d in (self.seqs, self.fed, self.caches, self.rngs):
-            d.pop(sid, None)
-
-    def _logits(self, tokens: list[int], cache: list) -> mx.array:
-        if len(tokens) == 1 and self.runner is not None and compiled.eligible(cache):
-            out = self.runner.decode(mx.array([tokens]), cache)[0]
-        else:
-            out = self.model(mx.array([tokens]), cache=cache)[0, -1]
-        return out[: self.vocab] if self.vocab is not None else out
-
-    def propose(self, sid: int, n: int, params: SamplingParams) -> tuple[list[int], np.ndarray]:
-        """n draft tokens after the sequence's last token, and their distributions (n, V)
-        (empty when greedy). The draft cache then holds the sequence plus n-1 drafts."""
-        seq, cache = self.seqs[sid], self.caches.setdefault(sid, self._make_cache())
-        fed = self.fed.get(sid, 0)
-        assert fed < len(seq), "the sequence's last token is always new to the draft"
-        for start in range(fed, len(seq) - 1, 512):  # catch up a long prompt in chunks
-            chunk = seq[start : min(start + 512, len(seq) - 1)]
-            mx.eval(self.model(mx.array([chunk]), cache=cache))
-        logits = self._logits(seq[-1:], cache)
-        self.fed[sid] = len(seq)
-        drafts, qs = [], []
-        for i in range(n):
-            d, q = draw(logits, params, self.rngs, sid)
-            qs += [] if q is None else [q]
-            drafts.append(d)
-            if i < n - 1:
-                logits = self._logits([d], cache)
-        return drafts, np.stack(qs) if qs else np.zeros((0, 0))
-
-    def propose_rows(
-        self, sids: list[int], n: int, params: list[SamplingParams]
-    ) -> list[tuple[list[int], np.ndarray]]:
-        """`propose` for several sequences at once: one batched draft forward per draft
-        position. Each row's cache is first brought to all but its last `lag` tokens (the same
-        lag for every row: a cache ahead is trimmed and the token fed again), the row caches
-        are merged into one left-padded batch, and split back afterwards."""
-        if n == 0:  # a row's last token: nothing to draft, nothing fed
-            return [([], np.zeros((0, 0))) for _ in sids]
-        if len(sids) <= 1:
-            return [self.propose(sid, n, p) for sid, p in zip(sids, params, strict=True)]
-        seqs = [self.seqs[sid] for sid in sids]
-        # After a verify step a row's draft lags 1 token (a rejection) or 2 (all accepted).
-        lag = min(2, max(len(self.seqs[sid]) - self.fed.get(sid, 0) for sid in sids))
-        caches = []
-        for sid, seq in zip(sids, seqs, strict=True):
-            cache = self.caches.setdefault(sid, self._make_cache())
-            fed, want = self.fed.get(sid, 0), len(seq) - lag
-            for start in range(fed, want, 512):  # catch up a long prompt in chunks
-                chunk = seq[start : min(start + 512, want)]
-                mx.eval(self.model(mx.array([chunk]), cache=cache))
-            trim(cache, fed - want)
-            self.fed[sid] = len(seq)
-            caches.append(cache)
-        batch = [type(layer[0]).merge(list(layer)) for layer in zip(*caches, strict=True)]
-        logits = self._batch_logits([seq[-lag:] for seq in seqs], batch)
-        drafts: list[list[int]] = [[] for _ in sids]
-        qs: list[list[np.ndarray]] = [[] for _ in sids]
-        for step in range(n):
-            for i, (sid, p) in enumerate(zip(sids, params, strict=True)):
-                d, q = draw(logits[i], p, self.rngs, sid)
-                drafts[i].append(d)
-                qs[i] += [] if q is None else [q]
-            if step < n - 1:
-                logits = self._batch_logits([[d[-1]] for d in drafts], batch)
-        for i, sid in enumerate(sids):
-            self.caches[sid] = [c.extract(i) for c in batch]
-        empty = np.zeros((0, 0))
-        return [(d, np.stack(q) if q else empty) for d, q in zip(drafts, qs, strict=True)]
-
-    def _batch_logits(self, tokens: list[list[int]], cache: list) -> mx.array:
-        if len(tokens[0]) == 1 and self.runner is not None and compiled.eligible(cache):
-            out = self.runner.decode(mx.array(tokens), cache)  # (B, V)
-        else:
-            out = self.model(mx.array(tokens), cache=cache)[:, -1]
-        return out[:, : self.vocab] if self.vocab is not None else out
-
-    def settle(self, sid: int, n: int, accepted: int) -> None:
-        """Drop the rejected drafts from the draft cache (it holds n-1 of them)."""
-        if n == 0:
-            return
-        kept = min(accepted, n - 1)
-        trim(self.caches[sid], n - 1 - kept)
-        self.fed[sid] += kept
-
-
-def _draft_runner(model, compile: bool | None):
-    """A runner of the whole draft model on this (the leader's) process, for its compiled
-    one-token steps; None where the family does not compile or compile is off (--compile as
-    for the model)."""
-    from thunderpool.engine.runner import Runner
-
-    if not (compiled.wanted(compile) and compiled.supports(model)):
-        return None
-    runner = Runner(model, mx.distributed.init(), None)
-    return runner if runner.compiled is not None else None
 
 
 def choose_k(executor: Executor, plan: StepPlan) -> int:
@@ -339,6 +153,7 @@ def lead(executor: Executor, k: int, sink, fresh: int | None) -> None:
         ex._deliver(sink, [fresh], ex.next[-1:], ex._first_logits)
     t0s, trims = ex.next.tolist(), [0] * B
     acct = ex.account  # bench's step account: each part evaluated at its end (account.py)
+    sharded = getattr(drafter, "shard", None) is not None
     go = True
     while go:
         last, rooms = sink.spec_budget()
@@ -351,7 +166,13 @@ def lead(executor: Executor, k: int, sink, fresh: int | None) -> None:
         own = [min(lengths.length(sid, k), rooms.get(sid, room) - 1) for sid in sids]
         n = max((own[i] for i in drafted), default=0)
         if acct:  # the host's part: since the last step's end, the budget's question included
-            acct.begin(B)
+            acct.begin(B, n + 1)
+        if sharded:  # the other ranks draft alike: they learn the step before it
+            mine = [own[i] if i in drafted else -1 for i in range(B)]
+            news = [drafter.unsent(sids[i]) for i in drafted]
+            ex.control.send(_header(1, n, trims, t0s, mine, news))
+            if acct:
+                acct.mark("exchange")
         proposals = _propose(
             drafter, [sids[i] for i in drafted], n, [samplers[i].params for i in drafted]
         )
@@ -362,10 +183,11 @@ def lead(executor: Executor, k: int, sink, fresh: int | None) -> None:
         drafts = [[0] * n for _ in range(B)]
         for i, (d, _) in zip(drafted, proposals, strict=True):
             drafts[i] = [*d, *[0] * (n - len(d))]
-        flat = [x for d in drafts for x in (*d, *[0] * (k - n))]
-        ex.control.share_ints([1, n, *trims, *t0s, *flat], _width(B, k))
-        if acct:
-            acct.mark("exchange")
+        if not sharded:
+            flat = [x for d in drafts for x in (*d, *[0] * (k - n))]
+            ex.control.share_ints([1, n, *trims, *t0s, *flat], _width(B, k))
+            if acct:
+                acct.mark("exchange")
         ex.state.trim_rows(trims)
         if acct:
             acct.mark("trim", *[a for c in ex.state.batch for a in (c.keys, c.values)])
@@ -394,7 +216,10 @@ def lead(executor: Executor, k: int, sink, fresh: int | None) -> None:
             for i, o in enumerate(outs):
                 drafter.observe(sids[i], ex.runner.hidden[i, : len(o)])
         trims, t0s, go = [n + 1 - len(o) for o in outs], [o[-1] for o in outs], not last
-    ex.control.share_ints([0, 0, *trims, *[0] * (B * (k + 1))], _width(B, k))
+    if sharded:
+        ex.control.send(_header(0, 0, trims, [0] * B, [-1] * B, []))
+    else:
+        ex.control.share_ints([0, 0, *trims, *[0] * (B * (k + 1))], _width(B, k))
     ex.state.trim_rows(trims)
     ex.next, ex._first_logits = mx.array(t0s), None
     if acct:
@@ -419,14 +244,63 @@ def _accept(ex, sids, samplers, drafted, proposals, logits) -> list[list[int]]:
         p = distribution(logits[i], params)
         if q.shape[-1] < p.shape[-1]:  # a draft with a smaller (unpadded) vocabulary
             q = np.pad(q, ((0, 0), (0, p.shape[-1] - q.shape[-1])))
-        rng = ex.drafter.rngs.setdefault(sids[i], _rng(params))
+        rng = ex.drafter.rngs.setdefault(sids[i], row_rng(params))
         outs.append(accept_sampled(d, p, q, rng))
     return [o.tolist() if isinstance(o, mx.array) else o for o in outs]
+
+
+def _header(go: int, n: int, trims, t0s, own, news: list[list[int]]) -> bytes:
+    """A sharded draft's exchange, before the step's drafting: [go, n, B, trim, t0 and own
+    draft length (-1: none) of each row, then each drafted row's count and tokens new to
+    the other ranks' drafts] as int32 (a row's first draft sends its whole prompt)."""
+    counts = [len(t) for t in news]
+    ints = [go, n, len(trims), *trims, *t0s, *own, *counts, *(x for t in news for x in t)]
+    return np.asarray(ints, np.int32).tobytes()
+
+
+def _read_header(data: bytes) -> tuple:
+    a = np.frombuffer(data, np.int32).tolist()
+    go, n, B = a[:3]
+    trims, t0s, own = a[3 : 3 + B], a[3 + B : 3 + 2 * B], a[3 + 2 * B : 3 + 3 * B]
+    counts = a[3 + 3 * B : 3 + 3 * B + sum(o >= 0 for o in own)]
+    at, news = 3 + 3 * B + len(counts), []
+    for c in counts:
+        news.append(a[at : at + c])
+        at += c
+    return go, n, trims, t0s, own, news
+
+
+def _follow_sharded(ex: Executor) -> None:
+    """A follower of a sharded draft: each step's header, the same draft forwards as the
+    leader's (its draft tokens shared per position, Drafter.pick), then the same verify."""
+    drafter, sids = ex.drafter, list(ex.state.rows)
+    before: tuple[list[int], int] = ([], 0)  # the last verify's drafted rows and n
+    while True:
+        go, n, trims, t0s, own, news = _read_header(ex.control.receive())
+        drafted, n_before = before
+        for i in drafted:  # the leader's accept decision: n - trim drafts kept
+            drafter.settle(sids[i], n_before, n_before - trims[i])
+        ex.state.trim_rows(trims)
+        if not go:
+            return
+        drafted = [i for i, o in enumerate(own) if o >= 0]
+        for i, tokens in zip(drafted, news, strict=True):
+            drafter.extend(sids[i], tokens)
+        proposals = _propose(drafter, [sids[i] for i in drafted], n, [None] * len(drafted))
+        drafts = [[0] * n for _ in sids]
+        for i, (d, _) in zip(drafted, proposals, strict=True):
+            drafts[i] = [*d[: own[i]], *[0] * (n - own[i])]
+        out = ex.state.verify(mx.array([[t0, *d] for t0, d in zip(t0s, drafts, strict=True)]))
+        if out is not None:
+            mx.eval(out)
+        before = (drafted, n)
 
 
 def follow(executor: Executor, k: int) -> None:
     """A follower's verify burst: the same exchanges and forwards as the leader's."""
     ex = executor
+    if ex.drafter is not None:
+        return _follow_sharded(ex)
     B = len(ex.state.rows)
     while True:
         go, n, *rest = ex.control.share_ints(None, _width(B, k))
@@ -438,54 +312,3 @@ def follow(executor: Executor, k: int) -> None:
         out = ex.state.verify(mx.array(tokens))
         if out is not None:
             mx.eval(out)
-
-
-def drafter_for(job) -> Drafter | None:
-    """The leader's draft for a RankJob that names one (--draft-model DIR, or mtp)."""
-    if job.draft_model is None:
-        return None
-    if job.draft_model == "mtp":  # the model's own multi-token-prediction layer
-        from thunderpool.engine.mtp import load_mtp_drafter
-
-        return load_mtp_drafter(Path(job.model_dir), job.spec_k)
-    return load_drafter(Path(job.draft_model), Path(job.model_dir), job.spec_k, job.compile)
-
-
-def load_drafter(
-    draft_dir: Path, target_dir: Path, k: int = DEFAULT_K, compile: bool | None = None
-) -> Drafter:
-    """The draft model, whole on this rank, after checking that it speaks the target's
-    tokenizer: the same token-to-id map where both ship a tokenizer, else the same vocab size."""
-    from mlx_lm.utils import load_model
-
-    from thunderpool.engine.loader import read_config
-
-    draft_cfg, target_cfg = read_config(draft_dir), read_config(target_dir)
-    vocab = _vocab_size(target_cfg)
-    has = [(d / "tokenizer.json").is_file() for d in (draft_dir, target_dir)]
-    if all(has):
-        mine, theirs = _token_ids(draft_dir), _token_ids(target_dir)
-        if mine != theirs:
-            differ = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
-            raise ThunderpoolError(
-                f"--draft-model {draft_dir} has another tokenizer than the model {target_dir} "
-                f"(e.g. {differ}); pick a draft of the same model family and tokenizer"
-            )
-    elif any(has) or _vocab_size(draft_cfg) != vocab:
-        raise ThunderpoolError(
-            f"--draft-model {draft_dir} (vocab {_vocab_size(draft_cfg)}) cannot be checked "
-            f"against the tokenizer of {target_dir} (vocab {vocab}); a draft must share the "
-            "model's tokenizer files, or (without any) its vocabulary size"
-        )
-    model, _ = load_model(draft_dir)
-    return Drafter(model, k, vocab, compile=compile)
-
-
-def _vocab_size(config: dict) -> int:
-    return int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0))
-
-
-def _token_ids(model_dir: Path) -> dict[str, int]:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab()
