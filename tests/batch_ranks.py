@@ -182,8 +182,8 @@ def run_batch(spec: dict, group, stage: int = 0) -> dict | None:
     if spec.get("draft"):  # as a rank builds it: sharded on every TP rank, else the leader's
         from thunderpool.engine.draft_load import drafter_for
 
-        if group.rank() in spec.get("whole_draft_votes", ()):  # e.g. a node without its files
-            os.environ["THUNDERPOOL_DRAFT_SHARDS"] = "0"
+        if "draft_shards" in spec:  # each rank's THUNDERPOOL_DRAFT_SHARDS (0: no files)
+            os.environ["THUNDERPOOL_DRAFT_SHARDS"] = spec["draft_shards"][group.rank()]
 
         job = SimpleNamespace(
             draft_model=spec["draft"],

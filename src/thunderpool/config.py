@@ -74,16 +74,19 @@ def kmajor_choice() -> bool | None:
     return value == "1"
 
 
-def draft_shards_choice() -> bool:
-    """THUNDERPOOL_DRAFT_SHARDS: 0 keeps a TP layout's draft whole on the leader; unset (or
-    "auto") shards it like the target where every rank holds its files (engine/draft_load.py)."""
+def draft_shards_choice() -> bool | None:
+    """THUNDERPOOL_DRAFT_SHARDS: 0 keeps a TP layout's draft whole on the leader; 1 shards it
+    like the target where every rank holds its files; unset (or "auto") shards it there
+    where its token is timed faster sharded (engine/draft_load.py)."""
     value = os.environ.get("THUNDERPOOL_DRAFT_SHARDS", "auto").strip().lower()
-    if value not in ("0", "auto"):
+    if value == "auto":
+        return None
+    if value not in ("0", "1"):
         raise ThunderpoolError(
-            f"THUNDERPOOL_DRAFT_SHARDS={value!r} is not 0 or auto; unset it, or set 0 to "
+            f"THUNDERPOOL_DRAFT_SHARDS={value!r} is not 0, 1 or auto; unset it, or set 0 to "
             "draft on the leader alone"
         )
-    return value == "auto"
+    return value == "1"
 
 
 def lifeline_fd() -> int | None:

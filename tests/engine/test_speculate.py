@@ -169,6 +169,7 @@ def test_speculation_is_exact_on_two_ranks(runner, models, tmp_path, parallel):
         max_tokens=24,
         draft_model=str(models["cut"]),
         spec_k=3,
+        env={"THUNDERPOOL_DRAFT_SHARDS": "1"},  # TP: sharded however the timing falls
     )
     np.testing.assert_array_equal(out["tokens"], np.array(plain))
     done = next(e.event for e in out["events"] if e.event["kind"] == "done")
@@ -235,3 +236,23 @@ def test_a_step_account_changes_no_token_and_accounts_for_every_one(runner, mode
     assert summary["total"]["median_ms"] >= summary["forward"]["median_ms"] > 0
     if draft is None:
         assert max(acct.rows) == 2 and summary["tokens_per_step"] in (1, 2)
+
+
+def test_a_sharded_draft_is_kept_only_where_its_token_is_timed_faster(models, monkeypatch):
+    """draft_load._sharding_pays: the sharded token, timed with its collectives, against the
+    shard alone times the ranks; THUNDERPOOL_DRAFT_SHARDS=1 keeps it regardless, and any
+    other value than 0, 1 or auto is refused by name."""
+    from thunderpool.engine import draft_load, measure
+
+    group = mx.distributed.init()
+    draft, _, _ = load_shard(models["cut"], group, Layout())
+    control = Control(group)
+    monkeypatch.setattr(measure, "solo_step_ms", lambda *a: 1e6)  # a whole draft: slow
+    assert draft_load._sharding_pays(draft, control)
+    monkeypatch.setattr(measure, "solo_step_ms", lambda *a: 0.0)  # a whole draft: free
+    assert not draft_load._sharding_pays(draft, control)
+    monkeypatch.setenv("THUNDERPOOL_DRAFT_SHARDS", "1")
+    assert draft_load._sharding_pays(draft, control)
+    monkeypatch.setenv("THUNDERPOOL_DRAFT_SHARDS", "yes")
+    with pytest.raises(ThunderpoolError, match="THUNDERPOOL_DRAFT_SHARDS='yes'"):
+        draft_load._sharding_pays(draft, control)

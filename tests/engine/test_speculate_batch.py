@@ -147,16 +147,16 @@ def test_batched_speculation_gives_the_plain_batched_tokens(runner, models, monk
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("votes", [(), (1,)], ids=["sharded-draft", "follower-votes-whole"])
-def test_batched_speculation_is_exact_on_tp2(runner, models, tmp_path, votes):
+@pytest.mark.parametrize("shards", [["1", "1"], ["1", "0"]], ids=["sharded", "follower-no"])
+def test_batched_speculation_is_exact_on_tp2(runner, models, tmp_path, shards):
     """Both TP2 ways to draft: sharded like the target (both ranks draft in lockstep), and
     whole on the leader where a follower cannot hold the draft (it votes so: draft_load.py)."""
     spec = scenario(models)
     plain = run_scenario(runner, Control(runner.group), None, spec)
     # Up to 4 rows speculate (the default is 2): the exchange carries every row's drafts.
     tp = {"parallel": "tp", "draft": str(models["cut"]), "spec_k": 3, "max_rows": 4}
-    got = run_ranks(spec | tp | {"whole_draft_votes": votes}, tmp_path)
-    assert got["draft_ranks"] == (1 if votes else 2)
+    got = run_ranks(spec | tp | {"draft_shards": shards}, tmp_path)
+    assert got["draft_ranks"] == (1 if "0" in shards else 2)
     assert greedy_rows(got["out"]) == greedy_rows(plain["out"])
     assert len(got["out"][SAMPLED]["tokens"]) == 12
     steps, proposed, accepted, _ = got["spec"]

@@ -118,3 +118,27 @@ def test_an_ep_plan_is_priced_as_ep_with_and_without_the_draft():
     assert row.spec.plain_tps == pytest.approx(plain.decode_tps)
     assert row.spec.verify_s == pytest.approx(1 / four.decode_tps)
     assert row.spec.plain_tps != pytest.approx(tp.prediction.decode_tps, rel=0.01)
+
+
+def test_a_tp_plan_prices_its_draft_sharded_where_that_is_faster(tp4):
+    """A plain TP plan's separate draft runs as the draft's own TP step over the plan's nodes
+    where that token is faster than the whole draft on the leader (engine/draft_load.py
+    times both): over RDMA, a 4B draft's bytes outweigh its collectives, a 0.6B draft's do
+    not. With shard_draft off (an MTP draft) the leader reads the whole draft alone."""
+    from thunderpool.planner.cost import Stage
+
+    spec, plan, nodes, links = tp4
+    stage = plan.stages[0]
+    for name, sharded_wins in (("qwen3-4b:q8", True), ("qwen3-0.6b:q8", False)):
+        draft = load_model(name)
+        tp = (Stage(stage.nodes, (0, draft.layers), stage.tp_weights),)
+        alone = (Stage(stage.nodes[:1], (0, draft.layers), (1.0,)),)
+        tp_s = 1 / predict(draft, tp, nodes, links).decode_tps
+        alone_s = 1 / predict(draft, alone, nodes, links).decode_tps
+        assert (tp_s < alone_s) is sharded_wins
+        s = predict_speculative(spec, plan.stages, nodes, links, draft, 0.7, 4)
+        assert s.draft_s == pytest.approx(min(tp_s, alone_s))
+        whole = predict_speculative(
+            spec, plan.stages, nodes, links, draft, 0.7, 4, shard_draft=False
+        )
+        assert whole.draft_s == pytest.approx(alone_s) and whole.verify_s == s.verify_s

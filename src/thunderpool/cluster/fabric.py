@@ -197,9 +197,10 @@ def _wait(client, state: ClusterState, started: dict[str, str], report) -> dict[
 def check_draft(
     client: Callable[[str], AgentClient], state: ClusterState, order: list[str], job: RankJob
 ) -> None:
-    """The draft of speculative decoding runs whole on the leader (rank 0): its node must
-    hold `job.draft_model` (a hub id it may download once). LaunchError otherwise, before
-    any rank starts or any weight moves."""
+    """The draft of speculative decoding runs on the leader (rank 0; sharded over a TP
+    group's ranks where every node holds it at the same path): its node must hold
+    `job.draft_model` (a hub id it may download once). LaunchError otherwise, before any
+    rank starts or any weight moves."""
     if not job.draft_model:
         return
     leader = order[0]

@@ -90,7 +90,11 @@ class RankManager:
             model_dir = self.resolve_model(job.model_dir or None)
             job = job.model_copy(update={"model_dir": str(model_dir)})
             # The leader runs the draft: its own copy (mtp: the model's own layer, no copy).
-            if job.draft_model not in (None, "", "mtp") and spec.rank == 0:
+            # A follower holding a copy at the same path shards it with the others (TP,
+            # engine/draft_load.py); it downloads none, and without one votes for the
+            # leader's whole draft.
+            named = job.draft_model not in (None, "", "mtp")
+            if named and (spec.rank == 0 or Path(job.draft_model).expanduser().exists()):
                 draft = self.resolve_model(job.draft_model)
                 job = job.model_copy(update={"draft_model": str(draft)})
         with self.lock:

@@ -2,14 +2,19 @@
 leader.
 
 A TP layout whose every rank reads the same draft files (a local launch, or nodes that hold
-them) shards the draft as the target is sharded, and every rank drafts in lockstep
-(drafter.Shard); the ranks agree on it with two collectives at load time. Elsewhere (PP, an
-MTP draft, a cluster whose followers lack the files) the draft is whole on the leader and
-followers hold none.
+them) loads the draft cut as the target is cut; the ranks agree on that with two collectives
+at load time. The shard is kept, and every rank drafts in lockstep (drafter.Shard), where a
+draft token times faster so than the whole draft would on one rank: a small draft over a
+fast link can lose to its collectives. Elsewhere (PP, EP, an MTP draft, a cluster whose
+followers lack the files, or a sharded token that does not pay) the draft is whole on the
+leader and followers hold none. THUNDERPOOL_DRAFT_SHARDS (config.py) forces either way.
 """
 
 from __future__ import annotations
 
+import logging
+import statistics
+import time
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,6 +29,9 @@ from thunderpool.errors import ThunderpoolError
 if TYPE_CHECKING:
     from thunderpool.engine.runner import Runner
 
+log = logging.getLogger(__name__)
+PROBE_TOKENS, PROBE_STEPS = 8, 8  # the load-time timing of a sharded draft's token
+
 
 def drafter_for(job, runner: Runner, control, layout: Layout) -> Drafter | None:
     """This rank's draft for a RankJob that names one (--draft-model DIR, or mtp): every rank
@@ -37,7 +45,10 @@ def drafter_for(job, runner: Runner, control, layout: Layout) -> Drafter | None:
     draft, target = Path(job.draft_model), Path(job.model_dir)
     # Every rank of a plain TP group votes, so that all take the same branch.
     if _tp_world(runner, control, layout) and _agree(runner.group, _vote(draft, layout, control)):
-        return load_sharded(draft, target, job.spec_k, runner, control, layout)
+        sharded = load_sharded(draft, target, job.spec_k, runner, control, layout)
+        if _sharding_pays(sharded.shard.runner, control):
+            return sharded
+        del sharded  # each rank's shard; the leader loads the whole draft below
     if not runner.is_leader:
         return None
     return load_drafter(draft, target, job.spec_k, job.compile)
@@ -65,7 +76,39 @@ def _tp_world(runner: Runner, control, layout: Layout) -> bool:
 
 def _vote(draft: Path, layout: Layout, control) -> int:
     """This rank's fingerprint of the draft, or -1 where it turned sharded drafts off."""
-    return _fingerprint(draft, layout, control.size) if draft_shards_choice() else -1
+    off = draft_shards_choice() is False
+    return -1 if off else _fingerprint(draft, layout, control.size)
+
+
+def _sharding_pays(runner: Runner, control) -> bool:
+    """Whether the sharded draft's token is faster than the whole draft's on one rank would
+    be: timed in lockstep with its collectives, against this rank's shard timed alone times
+    the ranks (a whole draft reads every shard). A small draft over a fast, low-latency link
+    can lose to its collectives. The leader's verdict, on every rank."""
+    from thunderpool.engine.measure import solo_step_ms
+
+    prompt = list(range(1, PROBE_TOKENS + 1))
+    cache = runner.make_cache()
+    _evaluate(runner.forward(mx.array([prompt]), cache))
+    token, times = mx.array([[prompt[-1]]]), []
+    for _ in range(PROBE_STEPS + 1):  # the first step traces the compiled one
+        start = time.perf_counter()
+        _evaluate(runner.decode(token, cache))
+        times.append(time.perf_counter() - start)
+        for c in cache:
+            c.trim(1)
+    sharded = statistics.median(times[1:]) * 1e3
+    whole = solo_step_ms(runner, prompt, PROBE_STEPS, 1, 1) * control.size
+    log.info("draft token: sharded %.2f ms, whole on one rank ~%.2f ms", sharded, whole)
+    # Every rank times (the collectives' order); THUNDERPOOL_DRAFT_SHARDS=1 on the leader
+    # overrides the verdict.
+    verdict = draft_shards_choice() is True or sharded < whole
+    return control.share_ints([int(verdict)] if runner.is_leader else None, 1)[0] == 1
+
+
+def _evaluate(out) -> None:
+    if out is not None:
+        mx.eval(out)
 
 
 def _fingerprint(draft: Path, layout: Layout, ranks: int) -> int:

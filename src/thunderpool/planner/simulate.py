@@ -273,7 +273,17 @@ def simulate_main(args: argparse.Namespace) -> int:
         else:
             draft = load_model(args.draft)
         console.print(
-            spec_table(spec, shown, plans, cluster, draft, args.spec_accept, args.spec_k, prompt)
+            spec_table(
+                spec,
+                shown,
+                plans,
+                cluster,
+                draft,
+                args.spec_accept,
+                args.spec_k,
+                prompt,
+                shard=args.draft != "mtp",  # an MTP draft runs on the leader (engine/mtp.py)
+            )
         )
     if args.json:
         out = plans_json(args, cluster, plans, family)

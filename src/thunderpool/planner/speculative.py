@@ -5,9 +5,13 @@ over k+1 positions of one sequence (cost.predict(tokens_per_row=k+1)): a fixed p
 (the per-matmul dispatch, every collective), the weights and the sequence's cache read once
 (MoE layers: the experts that k+1 tokens touch), and per position its FLOPs and
 row_op_latency_s per matmul beyond the first (measured on CPU, assumed 0 on Metal:
-presets.toml). Before it, the leader runs the draft k times, one token each, while the other
-ranks wait (today's engine does not overlap drafting with verifying): a draft token is the
-draft's bytes at the leader's bandwidth plus its own dispatch floor. With per-token acceptance
+presets.toml). Before it, the draft runs k times, one token each (the engine does not overlap
+drafting with verifying). A plain TP plan shards a separate draft like the target over its
+nodes where that is faster (engine/draft_load.py, with the draft on every node): a draft
+token is then the draft's own TP decode step, its bytes split over the nodes plus its
+collectives. Elsewhere
+(PP, EP, an MTP draft) the leader drafts while the other ranks wait: the draft's bytes at
+the leader's bandwidth plus its own dispatch floor. With per-token acceptance
 rate a (independent of position), a verify step emits E = (1 - a^(k+1)) / (1 - a) tokens on
 average (Leviathan et al. 2023), so tok/s = E / (k * draft_s + verify_s).
 """
@@ -26,7 +30,7 @@ class SpecPrediction:
     accept: float
     k: int
     plain_tps: float  # the plan's decode tok/s without speculation
-    draft_s: float  # one draft token on the leader's node
+    draft_s: float  # one draft token: on the leader's node, or sharded over a TP plan's
     verify_s: float  # one target forward over k+1 tokens
     tokens_per_step: float
 
@@ -139,20 +143,28 @@ def predict_speculative(
     kind: str = "tp",
     experts: tuple[int, ...] | None = None,
     compiled: bool = False,
+    shard_draft: bool = True,
 ) -> SpecPrediction:
-    """A layout's decode with a draft on its leader (the first stage's first node); `kind`,
-    `experts` and `compiled` as the plan's, so an EP plan is priced as EP."""
+    """A layout's decode with a draft: sharded like a plain TP plan's target where
+    `shard_draft` (a separate draft; an MTP draft is the leader's), else on its leader (the
+    first stage's first node); `kind`, `experts` and `compiled` as the plan's, so an EP plan
+    is priced as EP."""
     how = {"kind": kind, "experts": experts, "compiled": compiled}
     plain = decode(spec, stages, nodes, links, prompt_tokens, **how)
     verify = decode(spec, stages, nodes, links, prompt_tokens, k + 1, **how)
-    leader = stages[0].nodes[0]
-    alone = (Stage((leader,), (0, draft.layers), (1.0,)),)
-    drafted = predict(draft, alone, nodes, links, prompt_tokens)
+    first = stages[0]
+    alone = (Stage((first.nodes[0],), (0, draft.layers), (1.0,)),)
+    draft_s = 1 / predict(draft, alone, nodes, links, prompt_tokens, compiled=compiled).decode_tps
+    if shard_draft and kind == "tp" and len(stages) == 1 and len(first.nodes) > 1:
+        # The engine keeps the shard only where its token is faster (draft_load.py).
+        tp = (Stage(first.nodes, (0, draft.layers), first.tp_weights),)
+        sharded = predict(draft, tp, nodes, links, prompt_tokens, compiled=compiled)
+        draft_s = min(draft_s, 1 / sharded.decode_tps)
     return SpecPrediction(
         accept=accept,
         k=k,
         plain_tps=plain.decode_tps,
-        draft_s=1.0 / drafted.decode_tps,
+        draft_s=draft_s,
         verify_s=1.0 / verify.decode_tps,
         tokens_per_step=expected_tokens(accept, k),
     )
@@ -184,18 +196,22 @@ class SpecRow:
         return self.spec.decode_tps / self.baseline_tps if self.baseline_tps else None
 
 
-def spec_rows(spec, shown, plans, cluster, draft, accept: float, k: int, prompt_tokens: int):
-    """Each shown plan with the draft (k=0: the best k per plan), against the best one-node
-    plan of all `plans` without speculation, listed among `shown` or not."""
+def spec_rows(
+    spec, shown, plans, cluster, draft, accept: float, k: int, prompt_tokens: int, shard=True
+):
+    """Each shown plan with the draft (k=0: the best k per plan; `shard`: predict_speculative's
+    shard_draft), against the best one-node plan of all `plans` without speculation, listed
+    among `shown` or not."""
     listed, links = cluster.specs()
     nodes = {n.name: n for n in listed}
     base = one_node_tps(spec, plans, nodes, links, prompt_tokens)
     rows = []
     for p in shown:
-        how = {"kind": p.kind, "experts": p.experts, "compiled": p.compiled}
+        how = {"kind": p.kind, "experts": p.experts, "compiled": p.compiled, "shard_draft": shard}
 
         def verify_s(kk: int, p=p, how=how) -> float:
-            v = decode(spec, p.stages, nodes, links, prompt_tokens, kk + 1, **how)
+            kind = {"kind": how["kind"], "experts": how["experts"], "compiled": how["compiled"]}
+            v = decode(spec, p.stages, nodes, links, prompt_tokens, kk + 1, **kind)
             return 1.0 / v.decode_tps
 
         kk = k
@@ -211,12 +227,14 @@ def spec_rows(spec, shown, plans, cluster, draft, accept: float, k: int, prompt_
     return rows
 
 
-def spec_table(spec, shown, plans, cluster, draft, accept: float, k: int, prompt_tokens: int):
+def spec_table(
+    spec, shown, plans, cluster, draft, accept: float, k: int, prompt_tokens: int, shard=True
+):
     """`simulate --spec-accept`: each shown plan with and without the draft, and its decode
     against the best one-node plan without speculation (spec_rows)."""
     from rich.table import Table
 
-    rows = spec_rows(spec, shown, plans, cluster, draft, accept, k, prompt_tokens)
+    rows = spec_rows(spec, shown, plans, cluster, draft, accept, k, prompt_tokens, shard)
     base = rows[0].baseline_tps if rows else 0.0
     table = Table("kind", "nodes", "plain tok/s", "k", "spec tok/s", "speedup", "vs one node")
     table.title = f"speculative decoding, acceptance {accept}" + (
@@ -224,6 +242,11 @@ def spec_table(spec, shown, plans, cluster, draft, accept: float, k: int, prompt
         if base
         else "; no one-node plan holds the model"
     )
+    if shard:
+        table.caption = (
+            "TP plans shard the draft over their nodes where its token is faster so "
+            "(with the draft on every node)"
+        )
     for r in rows:
         s = r.spec
         table.add_row(
