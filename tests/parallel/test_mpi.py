@@ -162,7 +162,7 @@ def test_ranks_die_with_a_killed_mpirun(tiny_models, tmp_path):
 
 def test_serve_takes_ring_where_its_ranks_fill_every_core(monkeypatch):
     """Waiting MPI ranks spin; beside the gateway on a machine they fill, they starved its
-    streaming (tests/cluster/test_stream_gaps.py). generate and bench keep MPI."""
+    streaming (tests/api/test_stream_gaps.py). generate and bench keep MPI."""
     monkeypatch.setattr(mpi, "find_mpi", lambda: ("/usr/bin/mpirun", "libmpi.so.40"))
     monkeypatch.setattr(mpi, "cores_here", lambda: 2)
     assert resolve_backend(args("auto"), 2, serving=True) == "ring"

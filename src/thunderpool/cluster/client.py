@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 from pydantic import BaseModel
 
 from thunderpool.cluster.auth import AuthError, sign
 from thunderpool.errors import ThunderpoolError
+
+_shared: httpx.Client | None = None
+_shared_lock = threading.Lock()
+
+
+def _client() -> httpx.Client:
+    """One client for every call: each new httpx client loads the CA bundle (~20 ms of CPU),
+    and serve's polls made that a burst that stole the cores from the ranks mid-step."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            # No keep-alive: each call still opens its own connection, as before.
+            _shared = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+        return _shared
 
 
 class AgentError(ThunderpoolError):
@@ -28,7 +44,7 @@ class AgentClient:
         headers = {**sign(self.token, method, path, data), "Content-Type": "application/json"}
         url = f"http://{self.address}{path}"
         try:
-            r = httpx.request(
+            r = _client().request(
                 method, url, content=data, headers=headers, timeout=timeout or self.timeout
             )
         except httpx.HTTPError as e:
