@@ -63,29 +63,23 @@ def decode_ways() -> int | None:
 def kmajor_choice() -> bool | None:
     """THUNDERPOOL_KMAJOR: 1 or 0 forces input-major weights on or off (engine/kmajor.py);
     None (unset or "auto") means on for a CPU rank."""
-    value = os.environ.get("THUNDERPOOL_KMAJOR", "auto").strip().lower()
-    if value == "auto":
-        return None
-    if value not in ("0", "1"):
-        raise ThunderpoolError(
-            f"THUNDERPOOL_KMAJOR={value!r} is not 0, 1 or auto; "
-            "unset it, or set 0 to keep MLX's (out, in) weight layout"
-        )
-    return value == "1"
+    return _switch("THUNDERPOOL_KMAJOR", "set 0 to keep MLX's (out, in) weight layout")
 
 
 def draft_shards_choice() -> bool | None:
     """THUNDERPOOL_DRAFT_SHARDS: 0 keeps a TP layout's draft whole on the leader; 1 shards it
     like the target where every rank holds its files; unset (or "auto") shards it there
     where its token is timed faster sharded (engine/draft_load.py)."""
-    value = os.environ.get("THUNDERPOOL_DRAFT_SHARDS", "auto").strip().lower()
+    return _switch("THUNDERPOOL_DRAFT_SHARDS", "set 0 to draft on the leader alone")
+
+
+def _switch(name: str, hint: str) -> bool | None:
+    """An environment switch of 0, 1 or auto (or unset: None), any other value refused."""
+    value = os.environ.get(name, "auto").strip().lower()
     if value == "auto":
         return None
     if value not in ("0", "1"):
-        raise ThunderpoolError(
-            f"THUNDERPOOL_DRAFT_SHARDS={value!r} is not 0, 1 or auto; unset it, or set 0 to "
-            "draft on the leader alone"
-        )
+        raise ThunderpoolError(f"{name}={value!r} is not 0, 1 or auto; unset it, or {hint}")
     return value == "1"
 
 

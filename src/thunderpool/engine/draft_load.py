@@ -13,8 +13,6 @@ leader and followers hold none. THUNDERPOOL_DRAFT_SHARDS (config.py) forces eith
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -85,30 +83,16 @@ def _sharding_pays(runner: Runner, control) -> bool:
     be: timed in lockstep with its collectives, against this rank's shard timed alone times
     the ranks (a whole draft reads every shard). A small draft over a fast, low-latency link
     can lose to its collectives. The leader's verdict, on every rank."""
-    from thunderpool.engine.measure import solo_step_ms
+    from thunderpool.engine.measure import solo_step_ms, step_ms
 
     prompt = list(range(1, PROBE_TOKENS + 1))
-    cache = runner.make_cache()
-    _evaluate(runner.forward(mx.array([prompt]), cache))
-    token, times = mx.array([[prompt[-1]]]), []
-    for _ in range(PROBE_STEPS + 1):  # the first step traces the compiled one
-        start = time.perf_counter()
-        _evaluate(runner.decode(token, cache))
-        times.append(time.perf_counter() - start)
-        for c in cache:
-            c.trim(1)
-    sharded = statistics.median(times[1:]) * 1e3
+    sharded = step_ms(runner, prompt, PROBE_STEPS, 1, 1)  # the median skips the first's trace
     whole = solo_step_ms(runner, prompt, PROBE_STEPS, 1, 1) * control.size
     log.info("draft token: sharded %.2f ms, whole on one rank ~%.2f ms", sharded, whole)
     # Every rank times (the collectives' order); THUNDERPOOL_DRAFT_SHARDS=1 on the leader
     # overrides the verdict.
     verdict = draft_shards_choice() is True or sharded < whole
     return control.share_ints([int(verdict)] if runner.is_leader else None, 1)[0] == 1
-
-
-def _evaluate(out) -> None:
-    if out is not None:
-        mx.eval(out)
 
 
 def _fingerprint(draft: Path, layout: Layout, ranks: int) -> int:

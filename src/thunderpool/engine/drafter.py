@@ -102,8 +102,9 @@ def row_rng(params: SamplingParams) -> np.random.Generator:
 
 
 class Drafter:
-    """The draft model on the leader: one prefix cache per sequence, fed lazily with the
-    sequence's tokens (prompt and delivered ones) the first time that sequence speculates."""
+    """The draft model, whole on the leader or this rank's shard of it (`shard`): one prefix
+    cache per sequence, fed lazily with the sequence's tokens (prompt and delivered ones) the
+    first time that sequence speculates."""
 
     def __init__(
         self,

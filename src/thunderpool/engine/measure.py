@@ -100,31 +100,37 @@ def _next_token(runner: Runner, out: mx.array | None, fallback: int) -> mx.array
     return mx.array([fallback])
 
 
-def solo_step_ms(runner: Runner, prompt: list[int], steps: int, rows: int, width: int) -> float:
+def step_ms(runner: Runner, prompt: list[int], steps: int, rows: int, width: int, step=None):
     """Median ms of one forward of `rows` rows of `width` tokens (a decode step: 1; a verify
-    step: k+1) after `prompt`, on this rank's shard alone, each step evaluated before the
-    next. A decode step takes the compiled step where the engine would, traced afresh inside
-    the stand-ins; the cache is cut back after each step, so every one sees the same context."""
+    step: k+1) after `prompt`, each step evaluated before the next; the cache is cut back
+    after each step, so every one sees the same context. `step(tokens, cache)` defaults to
+    the engine's own: the runner's decode (compiled where it is) or verify."""
+    cache = runner.make_cache()
+    mx.eval(*_arrays(runner.forward(mx.array([prompt] * rows), cache)))
+    tokens = mx.array([[prompt[-1]] * width] * rows)
+    step = step or (runner.decode if width == 1 else runner.verify)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        mx.eval(*_arrays(step(tokens, cache)))
+        times.append(time.perf_counter() - start)
+        for c in cache:
+            c.trim(width)
+    return statistics.median(times) * 1e3
+
+
+def solo_step_ms(runner: Runner, prompt: list[int], steps: int, rows: int, width: int) -> float:
+    """`step_ms` on this rank's shard alone: collectives stood in for, and a decode step's
+    compiled graph traced afresh inside the stand-ins (the runner's own holds the real ones)."""
     from thunderpool.engine import compiled, rowsplit
 
     with solo_collectives():
-        cache = runner.make_cache()
-        mx.eval(*_arrays(runner.forward(mx.array([prompt] * rows), cache)))
-        tokens = mx.array([[prompt[-1]] * width] * rows)
-        step = lambda t, c: runner.verify(t, c)  # noqa: E731
-        if width == 1:
-            step = runner.forward
-            if runner.compiled is not None and runner.stage is None and compiled.eligible(cache):
-                rowsplit.blas_threads(one_row=True)
-                step = compiled.CompiledDecode(runner.compiled.forward, None).decode
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            mx.eval(*_arrays(step(tokens, cache)))
-            times.append(time.perf_counter() - start)
-            for c in cache:
-                c.trim(width)
-    return statistics.median(times) * 1e3
+        step = runner.forward if width == 1 else None  # None: the runner's verify
+        fresh = runner.compiled is not None and runner.stage is None
+        if width == 1 and fresh and compiled.eligible(runner.make_cache()):
+            rowsplit.blas_threads(one_row=True)
+            step = compiled.CompiledDecode(runner.compiled.forward, None).decode
+        return step_ms(runner, prompt, steps, rows, width, step)
 
 
 def solo_compute(
