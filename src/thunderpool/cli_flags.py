@@ -196,7 +196,8 @@ def add_speculation(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-model",
         help="speculative decoding: a small model of the same tokenizer that drafts tokens on "
-        "the leader for the model to verify (dir, .gguf or hub id; batches of up to 2 rows), or "
+        "the leader (or, on TP, sharded over the ranks) for the model to verify (dir, .gguf or "
+        "hub id; batches of up to 4 rows), or "
         "`mtp`: the model's own multi-token-prediction layer (DeepSeek V3, GLM-4.5)",
     )
     p.add_argument(

@@ -73,6 +73,12 @@ def draft_shards_choice() -> bool | None:
     return _switch("THUNDERPOOL_DRAFT_SHARDS", "set 0 to draft on the leader alone")
 
 
+def cpu_exp_choice() -> bool | None:
+    """THUNDERPOOL_CPU_EXP: 1 or 0 forces the compiled step's arithmetic exp on or off
+    (engine/cpu_exp.py); None (unset or "auto") means on for a CPU rank."""
+    return _switch("THUNDERPOOL_CPU_EXP", "set 0 to keep MLX's own exp")
+
+
 def _switch(name: str, hint: str) -> bool | None:
     """An environment switch of 0, 1 or auto (or unset: None), any other value refused."""
     value = os.environ.get(name, "auto").strip().lower()

@@ -29,6 +29,11 @@ from thunderpool.engine.runner import Runner
 PROMPTS = ([3, 17, 42, 9, 100, 7, 250], [5, 8, 13, 21, 34, 55, 89, 144, 233, 1, 2, 3, 4])
 # (sequence ids joining before the steps, ids dropping before them, decode steps)
 PHASES = (((0,), (), 3), ((1,), (), 4), ((), (0,), 3))
+# Verify windows (speculation): (ids joining, ids dropping, window width, trims after it);
+# uneven trims leave rows at different lengths (a rolled, left-padded batch), and a decode
+# step follows each window.
+WINDOWS = (((0,), (), 5, [3]), ((), (), 3, [1]), ((1,), (), 4, [1, 3]), ((), (), 5, [0, 2]),
+           ((), (0,), 2, [0]))  # fmt: skip
 
 
 def scenario(runner: Runner, compiled: bool) -> dict:
@@ -57,10 +62,47 @@ def scenario(runner: Runner, compiled: bool) -> dict:
     return {"logits": logits, "compiled_steps": used}
 
 
+def windows(runner: Runner, compiled: bool) -> dict:
+    """Every position's logits (B, L, V) of each verify window, and the last-position logits
+    of the decode step after it, on the leader."""
+    saved = runner.compiled
+    runner.compiled = saved if compiled else None
+    state, logits, feed = BatchState(runner), [], 0
+    before = saved.verifies if saved is not None else 0
+    try:
+        for join, drop, width, trims in WINDOWS:
+            state.drop(set(drop))
+            for sid in join:
+                mx.eval(state.prefill(sid, PROMPTS[sid]))
+                state.join(sid)
+            feed += 1
+            tokens = [[(feed * 37 + sid * 11 + i * 5) % 200 for i in range(width)]
+                      for sid in state.rows]  # fmt: skip
+            outs = [state.verify(mx.array(tokens))]
+            mx.eval(outs[0])
+            state.trim_rows(trims)
+            outs.append(state.decode(mx.array([t[0] for t in tokens])))
+            mx.eval(outs[1])
+            if runner.is_leader:
+                logits += [np.array(o.astype(mx.float32)).tolist() for o in outs]
+    finally:
+        runner.compiled = saved
+    used = (saved.verifies - before) if saved is not None else 0
+    return {"logits": logits, "compiled_verifies": used}
+
+
 def compare(runner: Runner, reference: Runner) -> dict:
-    """The compiled (and fused) decode of `runner` against the eager decode of `reference`,
-    the same model loaded with compile off: its projections unfused."""
-    return {"eager": scenario(reference, False), "compiled": scenario(runner, True)}
+    """The compiled (and fused) decode and verify windows of `runner` against the eager ones
+    of `reference`, the same model loaded with compile off: its projections unfused."""
+    result = {
+        "eager": scenario(reference, False),
+        "compiled": scenario(runner, True),
+        "compiles_windows": runner.compiled is not None and runner.compiled.windows,
+    }
+    # Rotating (sliding-window) caches cannot trim per row: such models never speculate.
+    if all(type(c).__name__ == "KVCache" for c in reference.make_cache()):
+        result["windows"] = {"eager": windows(reference, False), "compiled": windows(runner, True)}
+    return result
 
 
 def fused(runner: Runner) -> bool:

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from compiled_ranks import PHASES, compare, fused
+from compiled_ranks import PHASES, WINDOWS, compare, fused
 from families import make_family
 
 from thunderpool.cluster.launch import free_ports
@@ -55,6 +55,19 @@ def check(result: dict, proven: bool, tol: float = TOL) -> None:
         assert (c.argmax(-1) == e.argmax(-1)).all()
     assert result["eager"]["compiled_steps"] == 0
     assert result["compiled"]["compiled_steps"] == (STEPS if proven else 0)
+    # Verify windows: every position's logits, then the decode step after the trims.
+    assert "windows" in result or not proven
+    if "windows" not in result:
+        return
+    eager, comp = result["windows"]["eager"], result["windows"]["compiled"]
+    assert len(eager["logits"]) == len(comp["logits"]) == 2 * len(WINDOWS)
+    for e, c in zip(eager["logits"], comp["logits"], strict=True):
+        e, c = np.array(e), np.array(c)
+        np.testing.assert_allclose(c, e, atol=tol, rtol=tol)
+        assert (c.argmax(-1) == e.argmax(-1)).all()
+    assert eager["compiled_verifies"] == 0
+    windows = len(WINDOWS) if result["compiles_windows"] else 0
+    assert comp["compiled_verifies"] == windows
 
 
 @pytest.mark.parametrize("kind", [*PROVEN, "gemma3_text"])
@@ -63,7 +76,9 @@ def test_one_rank_compiled_equals_eager(kind, family_dirs):
     runner, _, _ = load_shard(family_dirs[kind], group, Layout(compile=True))
     reference, _, _ = load_shard(family_dirs[kind], group, Layout(compile=False))
     assert (runner.compiled is not None) == fused(runner) == (kind in PROVEN)
-    check(compare(runner, reference), kind in PROVEN)
+    result = compare(runner, reference)
+    assert result["compiles_windows"] == (kind in PROVEN)  # verify windows compile too
+    check(result, kind in PROVEN)
 
 
 def test_compile_is_on_by_default_on_a_cpu_and_off_on_a_gpu(family_dirs, monkeypatch):
@@ -154,6 +169,40 @@ def test_attention_split_over_streams_equals_eager(ways, family_dirs, monkeypatc
     check(compare(runner, reference), True)
 
 
+@pytest.mark.parametrize("cpu_exp", ["0", "1"])
+def test_attention_softmax_by_arithmetic_exp_equals_eager(cpu_exp, family_dirs, monkeypatch):
+    """Attention's softmax from the arithmetic exp (engine/cpu_exp.attend, here from the first
+    score on; by default from SOFTMAX_SCORES), and with THUNDERPOOL_CPU_EXP=0 MLX's own
+    softmax and SiLU: the same logits, decode and verify windows alike."""
+    from thunderpool.engine import cpu_exp as cpu_exp_module
+
+    monkeypatch.setenv("THUNDERPOOL_CPU_EXP", cpu_exp)
+    monkeypatch.setattr(cpu_exp_module, "SOFTMAX_SCORES", 0)
+    group = mx.distributed.init()
+    runner, _, _ = load_shard(family_dirs["qwen3"], group, Layout(compile=True))
+    reference, _, _ = load_shard(family_dirs["qwen3"], group, Layout(compile=False))
+    assert runner.compiled.fused.cpu == (cpu_exp == "1")
+    check(compare(runner, reference), True)
+
+
+def test_buffers_grow_finely_while_short_and_coarsely_past_1024():
+    """The compiled step sizes each cache buffer to the step's multiple holding the next
+    positions: mlx-lm's 256-position prefill buffer is cut to 64 for a short prompt, grows by
+    64 to 1024 positions, then by 256."""
+    from mlx_lm.models.cache import KVCache
+
+    cache = KVCache()
+    cache.update_and_fetch(mx.zeros((1, 2, 10, 4)), mx.zeros((1, 2, 10, 4)))
+    assert cache.keys.shape[2] == 256
+    sizes = []
+    for need in (11, 64, 65, 1024, 1025, 1300):
+        compiled._reserve(cache, need)
+        sizes.append(cache.keys.shape[2])
+        assert cache.values.shape == cache.keys.shape
+    assert sizes == [64, 64, 128, 1024, 1280, 1536]
+    assert float(cache.keys[..., :10, :].sum()) == 0.0  # the written positions kept
+
+
 def test_fused_quantized_equals_eager(family_dirs, monkeypatch):
     """4-bit llama: q|k|v and gate|up fused with their scales and biases, split in two."""
     monkeypatch.setenv("THUNDERPOOL_DECODE_WAYS", "2")
@@ -236,6 +285,9 @@ def test_compiled_step_dispatches_fewer_kernels(family_dirs, monkeypatch):
 
     monkeypatch.setenv("THUNDERPOOL_DECODE_WAYS", "1")
     monkeypatch.setenv("THUNDERPOOL_KMAJOR", "0")  # fused q|k|v (test_kmajor: the other layout)
+    # MLX's exp, one kernel per SwiGLU as on a GPU, where dispatches count; the CPU's
+    # arithmetic exp (engine/cpu_exp.py) spends a few more kernels to save the scalar exp.
+    monkeypatch.setenv("THUNDERPOOL_CPU_EXP", "0")
     runner, _, _ = load_shard(family_dirs["llama"], mx.distributed.init(), Layout(compile=True))
     eager, comp = decode_step_ops(runner, False), decode_step_ops(runner, True)
     layers = len(runner.model.layers)

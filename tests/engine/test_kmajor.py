@@ -100,6 +100,7 @@ def test_input_major_step_keeps_its_products_apart_and_splits_them(family_dirs, 
     is two matmuls (one per input block) and an add."""
     from thunderpool.bench.graph_ops import decode_step_ops
 
+    monkeypatch.setenv("THUNDERPOOL_CPU_EXP", "0")  # MLX's one-kernel SwiGLU (test_compiled)
     runner = _load(family_dirs["llama"], monkeypatch, True, 1, compile=True)
     eager, comp = decode_step_ops(runner, False), decode_step_ops(runner, True)
     layers = len(runner.model.layers)

@@ -27,7 +27,11 @@ from thunderpool.parallel.pipeline import PipelineStage
 # Families whose attention reads the cache only through offset, update_and_fetch and
 # make_mask (the contract _StepCache keeps), proven equal by the tests.
 COMPILED_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
-STEP = 256  # buffer capacity grows in these steps, so a batch shape retraces rarely
+# Buffer capacity grows in steps of FINE up to COARSE_FROM positions, of STEP past it. The
+# step's attention reads the whole buffer, so a short context wastes less with fine steps (a
+# 5-position verify of a 1B model at 21 positions: 1.27x a plain step, 1.30x with 256); past
+# COARSE_FROM, the rarer retrace and buffer copy pay more than the masked positions cost.
+FINE, COARSE_FROM, STEP = 64, 1024, 256
 
 
 def wanted(requested: bool | None) -> bool:
@@ -73,15 +77,17 @@ def _position(cache) -> tuple[int, mx.array]:
 
 
 def _reserve(cache, need: int) -> None:
-    """Grows the buffers to a multiple of STEP holding `need` positions."""
-    cap = cache.keys.shape[2]
-    if cap >= need and cap % STEP == 0:
+    """Sizes the buffers to the multiple of the step holding `need` positions: attention reads
+    the whole buffer (the mask hides the unwritten part), so a larger one (mlx-lm's prefill
+    grows in 256s, filter() may leave more) is cut back."""
+    cap, step = cache.keys.shape[2], FINE if need <= COARSE_FROM else STEP
+    size = -(-need // step) * step
+    if cap == size:
         return
-    size = -(-need // STEP) * STEP
-    pad = [(0, 0), (0, 0), (0, size - cap), (0, 0)]
-    if cap > size:  # filter() may leave more than a step past the index
+    if cap > size:
         cache.keys, cache.values = cache.keys[..., :size, :], cache.values[..., :size, :]
     else:
+        pad = [(0, 0), (0, 0), (0, size - cap), (0, 0)]
         cache.keys, cache.values = mx.pad(cache.keys, pad), mx.pad(cache.values, pad)
 
 
@@ -98,12 +104,15 @@ def build(
     finish: Callable[[mx.array], mx.array | None],
     stage: PipelineStage | None = None,
     ways: int = 1,
+    every: Callable[[mx.array], mx.array | None] | None = None,
 ) -> CompiledDecode | None:
     """The compiled step of a runner: on one rank or TP, tokens (B, 1) through a one-token
     forward then `finish` (the runner's head); on a PP stage, the received hidden state
     (B, 1, D) through the stage's own layers and the final norm (an identity but on the last
     stage). The forward is the fused one (engine/fused.py) where the model's structure allows,
-    else mlx-lm's own; a PP stage compiles only the fused one (None otherwise)."""
+    else mlx-lm's own; a PP stage compiles only the fused one (None otherwise). With the fused
+    forward on one rank or TP, a verify window of L tokens compiles too, then `every` (the
+    head on every position)."""
     # Fuses the projections' weights in place (the modules keep views).
     run = fused.build(model, stage.local if stage is not None else None, ways)
     if stage is not None:
@@ -111,40 +120,72 @@ def build(
             return None
         return CompiledDecode(lambda h, cache: run.inner.norm(run.layers_forward(h, cache)), run)
     plain = run or (lambda tokens, cache: model.model(tokens, cache=cache))
-    return CompiledDecode(lambda tokens, cache: finish(plain(tokens, cache)), run)
+    window = None
+    if run is not None and every is not None:  # mlx-lm's own forward masks no window
+        window = lambda tokens, cache: every(run(tokens, cache))  # noqa: E731
+    return CompiledDecode(lambda tokens, cache: finish(plain(tokens, cache)), run, window)
+
+
+def _traced(forward: Callable) -> Callable:
+    """`forward` as a functional step over the cache buffers, for mx.compile."""
+
+    def step(x, idx, left, *buffers):
+        n = len(buffers) // 2
+        cache = [_StepCache(buffers[i], buffers[n + i], idx, left) for i in range(n)]
+        out = forward(x, cache)
+        return (out, *[c.keys for c in cache], *[c.values for c in cache])
+
+    return step
 
 
 class CompiledDecode:
-    """`decode(x, cache)`: `forward(x, step caches)` compiled, on the mlx-lm caches."""
+    """`decode(x, cache)`: `forward(x, step caches)` compiled, on the mlx-lm caches;
+    `verify(tokens, cache)`: `window` compiled likewise, where there is one."""
 
-    def __init__(self, forward: Callable, fused_forward: fused.FusedForward | None):
-        self.forward, self.fused = forward, fused_forward  # kept: measure.py traces it afresh
-
-        def step(x, idx, left, *buffers):
-            n = len(buffers) // 2
-            cache = [_StepCache(buffers[i], buffers[n + i], idx, left) for i in range(n)]
-            out = forward(x, cache)
-            return (out, *[c.keys for c in cache], *[c.values for c in cache])
-
-        self._step = mx.compile(step)
+    def __init__(
+        self,
+        forward: Callable,
+        fused_forward: fused.FusedForward | None,
+        window: Callable | None = None,
+    ):
+        # Kept: measure.py traces them afresh.
+        self.forward, self.fused, self.window = forward, fused_forward, window
+        self._step = mx.compile(_traced(forward))
+        self._window = mx.compile(_traced(window)) if window is not None else None
         self.steps = 0  # compiled steps run (tests and benchmarks read it)
+        self.verifies = 0  # compiled verify windows run
+
+    @property
+    def windows(self) -> bool:
+        """Whether verify windows compile (the fused forward on one rank or TP)."""
+        return self._window is not None
 
     def decode(self, x: mx.array, cache: list) -> mx.array:
+        self.steps += 1
+        return self._run(self._step, x, cache)
+
+    def verify(self, tokens: mx.array, cache: list) -> mx.array:
+        """tokens (B, L) written at the cache's index: what `window` returns (the logits of
+        every position, on ranks that project)."""
+        self.verifies += 1
+        return self._run(self._window, tokens, cache)
+
+    def _run(self, step: Callable, x: mx.array, cache: list) -> mx.array:
         idx, left = _position(cache[0])
+        width = x.shape[1]
         for c in cache:
-            _reserve(c, idx + 1)
+            _reserve(c, idx + width)
         keys, values = [c.keys for c in cache], [c.values for c in cache]
         for c in cache:  # only the graph holds the old buffers: updated in place
             c.keys = c.values = None
-        self.steps += 1
-        out, *buffers = self._step(x, mx.array([idx], mx.int32), left, *keys, *values)
+        out, *buffers = step(x, mx.array([idx], mx.int32), left, *keys, *values)
         del keys, values
         n = len(cache)
         for i, c in enumerate(cache):
             c.keys, c.values = buffers[i], buffers[n + i]
             if isinstance(c, BatchKVCache):
-                c._idx += 1
-                c.offset = c.offset + 1
+                c._idx += width
+                c.offset = c.offset + width
             else:
-                c.offset += 1
+                c.offset += width
         return out

@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
-from thunderpool.engine import kmajor, rowsplit
+from thunderpool.engine import cpu_exp, kmajor, rowsplit
 
 FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
 # Cache positions from which a decode step's attention splits over the CPU streams.
@@ -244,14 +244,17 @@ def _rope_inv_freqs(rope: nn.Module, head_dim: int) -> mx.array | None:
 
 
 class FusedForward:
-    """`forward(tokens (B, 1), caches) -> h (B, 1, D)`: the inner model's one-token forward,
-    for caches that take update_and_fetch and carry idx/left (compiled._StepCache)."""
+    """`forward(tokens (B, L), caches) -> h (B, L, D)`: the inner model's forward of a decode
+    step (L = 1) or a verify window, for caches that take update_and_fetch and carry idx/left
+    (compiled._StepCache)."""
 
     def __init__(
         self, model: nn.Module, layers: list[Layer], inv_freqs: mx.array, dims: int, ways: int = 1
     ):
         self.model, self.inner = model, model.model
         self.ways = ways  # CPU streams the products (and long attention) split over
+        # On a CPU, exp from plain arithmetic (engine/cpu_exp.py): MLX's x86 exp is scalar.
+        self.cpu = cpu_exp.wanted()
         # Evaluated now: a lazy array is tied to the loading thread's stream, and the engine
         # may step in another thread ("no Stream(cpu, 0) in current thread").
         mx.eval(inv_freqs)
@@ -261,44 +264,54 @@ class FusedForward:
         return self.inner.norm(self.layers_forward(self.inner.embed_tokens(tokens), caches))
 
     def layers_forward(self, h: mx.array, caches: list) -> mx.array:
-        """h (B, 1, D) through the fused layers (a PP stage's own), one cache each."""
-        first = caches[0]
+        """h (B, L, D) through the fused layers (a PP stage's own), one cache each: a decode
+        step (L = 1), or a verify window of L positions written at once, each attending to
+        the cache and to the window's positions up to its own."""
+        first, width = caches[0], h.shape[1]
         # The tables and the mask take the dtype of the products they meet (q, k, scores),
         # not h's: an mx/nv-quantized embedding gives bfloat16 rows to a float32 model.
-        tables = {}  # (heads, kv heads, dtype) -> rotation tables, shared by layers alike
-        masks = {}  # dtype -> mask
+        tables = {}  # (heads, kv heads, dtype) -> rotation tables and mask, shared by layers
 
         def rotation(n_heads: int, n_kv: int, dtype):
             if (key := (n_heads, n_kv, dtype)) not in tables:
-                tables[key] = self._tables(first.offset, n_heads, n_kv, dtype)
-                masks.setdefault(
-                    dtype, self._mask(first.keys.shape[2], first.idx, first.left, dtype)
-                )
-            return masks[dtype], *tables[key]
+                mask = self._mask(first.keys.shape[2], first.idx, first.left, width, dtype)
+                if width > 1:  # the scores' rows are (query head of a KV head, position)
+                    B, cap, group = mask.shape[0], mask.shape[-1], n_heads // n_kv
+                    mask = mx.broadcast_to(mask, (B, group, width, cap))
+                    mask = mask.reshape(B, 1, group * width, cap)
+                cos_t, sin_t = self._tables(first.offset, width, n_heads, n_kv, dtype)
+                tables[key] = (mask, cos_t, sin_t)
+            return tables[key]
 
         for layer, cache in zip(self.layers, caches, strict=True):
             h = self._layer(h, layer, cache, rotation)
         return h
 
-    def _mask(self, capacity: int, idx: mx.array, left: mx.array, dtype) -> mx.array:
-        """(B, 1, 1, capacity): 0 on each row's written positions, a large negative elsewhere."""
-        pos = mx.arange(capacity)
-        keep = (pos[None] >= left[:, None]) & (pos[None] <= idx)
-        return mx.where(keep, 0.0, mx.finfo(dtype).min).astype(dtype)[:, None, None, :]
+    def _mask(self, capacity: int, idx: mx.array, left: mx.array, width: int, dtype):
+        """(B, 1, width, capacity): 0 where a window position may attend (each row's written
+        positions, up to its own), a large negative elsewhere."""
+        pos = mx.arange(capacity)[None, None]
+        # (1, width, 1); a decode step's one position needs no second range
+        last = idx[:, None, None] + (mx.arange(width)[None, :, None] if width > 1 else 0)
+        keep = (pos >= left[:, None, None]) & (pos <= last)
+        return mx.where(keep, 0.0, mx.finfo(dtype).min).astype(dtype)[:, None]
 
-    def _tables(self, offset: mx.array, n_heads: int, n_kv: int, dtype):
-        """cos and sin-with-sign tables (B, heads, 2, half) rotating q (scaled by 1/sqrt(d))
-        and k, identity on v."""
-        theta = offset.astype(mx.float32)[:, None] * self.inv_freqs[None]  # (B, half)
+    def _tables(self, offset: mx.array, width: int, n_heads: int, n_kv: int, dtype):
+        """cos and sin-with-sign tables (B, width, heads, 2, half) rotating q (scaled by
+        1/sqrt(d)) and k at each window position, identity on v."""
+        pos = offset.astype(mx.float32)[:, None]
+        pos = pos + mx.arange(width, dtype=mx.float32)[None] if width > 1 else pos
+        theta = pos[..., None] * self.inv_freqs  # (B, width, half)
         cos, sin = mx.cos(theta), mx.sin(theta)
-        B, half = theta.shape
-        c = mx.stack([cos, cos], axis=1)[:, None]  # (B, 1, 2, half)
-        s = mx.stack([-sin, sin], axis=1)[:, None]
+        B, _, half = theta.shape
+        c = mx.stack([cos, cos], axis=2)[:, :, None]  # (B, width, 1, 2, half)
+        s = mx.stack([-sin, sin], axis=2)[:, :, None]
         scale = self.head_dim**-0.5
-        one, zero = mx.ones((B, n_kv, 2, half)), mx.zeros((B, n_kv, 2, half))
-        rep = lambda t, n: mx.broadcast_to(t, (B, n, 2, half))  # noqa: E731
-        cos_t = mx.concatenate([rep(c * scale, n_heads), rep(c, n_kv), one], axis=1)
-        sin_t = mx.concatenate([rep(s * scale, n_heads), rep(s, n_kv), zero], axis=1)
+        shape = (B, width, n_kv, 2, half)
+        one, zero = mx.ones(shape), mx.zeros(shape)
+        rep = lambda t, n: mx.broadcast_to(t, (B, width, n, 2, half))  # noqa: E731
+        cos_t = mx.concatenate([rep(c * scale, n_heads), rep(c, n_kv), one], axis=2)
+        sin_t = mx.concatenate([rep(s * scale, n_heads), rep(s, n_kv), zero], axis=2)
         return cos_t.astype(dtype), sin_t.astype(dtype)
 
     def _attend(self, q: mx.array, keys: mx.array, values: mx.array, mask: mx.array):
@@ -309,46 +322,57 @@ class FusedForward:
         cap = keys.shape[2]
         if self.ways < 2 or cap < SPLIT_KEYS:
             scores = mx.addmm(mask, q, keys.swapaxes(-1, -2))  # (B, K, H/K, capacity)
+            if self.cpu and scores.size >= cpu_exp.SOFTMAX_SCORES:
+                return cpu_exp.attend(scores, values)
             return mx.softmax(scores, axis=-1, precise=True) @ values
+        exp = cpu_exp.exp if self.cpu else mx.exp
         parts = []
         cuts = rowsplit.bounds(cap, self.ways)
         for (a, b), s in zip(cuts, rowsplit.streams(len(cuts)), strict=True):
-            k, v = keys[..., a:b, :], values[..., a:b, :]
-            scores = mx.addmm(mask[..., a:b], q, k.swapaxes(-1, -2), stream=s)
-            top = mx.max(scores, axis=-1, keepdims=True, stream=s)
-            e = mx.exp(mx.subtract(scores, top, stream=s), stream=s)
-            total = mx.sum(e, axis=-1, keepdims=True, stream=s)
-            parts.append((top, total, mx.matmul(e, v, stream=s)))
+            with mx.stream(s):
+                k, v = keys[..., a:b, :], values[..., a:b, :]
+                scores = mx.addmm(mask[..., a:b], q, k.swapaxes(-1, -2))
+                top = mx.max(scores, axis=-1, keepdims=True)
+                e = exp(scores - top)
+                total = mx.sum(e, axis=-1, keepdims=True)
+                parts.append((top, total, e @ v))
         top = parts[0][0]
         for m, _, _ in parts[1:]:
             top = mx.maximum(top, m)
-        weights = [mx.exp(m - top) for m, _, _ in parts]
+        weights = [exp(m - top) for m, _, _ in parts]
         num = sum(w * o for w, (_, _, o) in zip(weights, parts, strict=True))
         den = sum(w * t for w, (_, t, _) in zip(weights, parts, strict=True))
         return num / den
 
     def _layer(self, h, layer: Layer, cache, rotation) -> mx.array:
         m, attn = layer.module, layer.module.self_attn
-        B, H, K, d = h.shape[0], layer.n_heads, layer.n_kv, self.head_dim
+        (B, L), H, K, d = h.shape[:2], layer.n_heads, layer.n_kv, self.head_dim
         x = m.input_layernorm(h)
-        qkv = layer.qkv(x).reshape(B, H + 2 * K, d)
+        qkv = layer.qkv(x).reshape(B, L, H + 2 * K, d)
         mask, cos_t, sin_t = rotation(H, K, qkv.dtype)
         if hasattr(attn, "q_norm"):  # qwen3: per-head RMS norms of q and k before RoPE
-            q = attn.q_norm(qkv[:, :H])
-            k = attn.k_norm(qkv[:, H : H + K])
-            qkv = mx.concatenate([q, k, qkv[:, H + K :]], axis=1)
+            q = attn.q_norm(qkv[:, :, :H])
+            k = attn.k_norm(qkv[:, :, H : H + K])
+            qkv = mx.concatenate([q, k, qkv[:, :, H + K :]], axis=2)
         # RoPE (non-traditional): [x1, x2] -> [x1 c - x2 s, x2 c + x1 s] on the halves.
-        r = qkv.reshape(B, H + 2 * K, 2, d // 2)
-        r = (r * cos_t + r[:, :, ::-1, :] * sin_t).reshape(B, H + 2 * K, 1, d)
+        r = qkv.reshape(B, L, H + 2 * K, 2, d // 2)
+        r = (r * cos_t + r[..., ::-1, :] * sin_t).reshape(B, L, H + 2 * K, d)
+        # (B, heads, L, d); one position needs no transpose, only a reshape.
+        r = r.reshape(B, H + 2 * K, 1, d) if L == 1 else r.swapaxes(1, 2)
         keys, values = cache.update_and_fetch(r[:, H : H + K], r[:, H + K :])
-        q = r[:, :H].reshape(B, K, H // K, d)  # GQA: each KV head's query heads, one row
-        o = self._attend(q, keys, values, mask).reshape(B, 1, H * d)
+        # GQA: each KV head's query heads (and positions) as the rows of one product.
+        q = r[:, :H].reshape(B, K, H // K * L, d)
+        o = self._attend(q, keys, values, mask)
+        if L > 1:  # (B, K, group, L, d) -> (B, L, heads, d)
+            o = o.reshape(B, K, H // K, L, d).transpose(0, 3, 1, 2, 4)
+        o = o.reshape(B, L, H * d)
         h = layer.o(o, h) if layer.o is not None else h + attn.o_proj(o)
         x = m.post_attention_layernorm(h)
         if layer.gate_up is None:
             return h + m.mlp(x)
         gu = layer.gate_up(x)
-        y = swiglu(gu[..., : layer.inter], gu[..., layer.inter :])
+        glu = cpu_exp.swiglu if self.cpu else swiglu
+        y = glu(gu[..., : layer.inter], gu[..., layer.inter :])
         return layer.down(y, h) if layer.down is not None else h + m.mlp.down_proj(y)
 
 

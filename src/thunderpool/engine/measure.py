@@ -120,16 +120,21 @@ def step_ms(runner: Runner, prompt: list[int], steps: int, rows: int, width: int
 
 
 def solo_step_ms(runner: Runner, prompt: list[int], steps: int, rows: int, width: int) -> float:
-    """`step_ms` on this rank's shard alone: collectives stood in for, and a decode step's
-    compiled graph traced afresh inside the stand-ins (the runner's own holds the real ones)."""
-    from thunderpool.engine import compiled, rowsplit
+    """`step_ms` on this rank's shard alone: collectives stood in for, and the compiled graph
+    of a decode step or verify window traced afresh inside the stand-ins (the runner's own
+    holds the real ones)."""
+    from thunderpool.engine import compiled, kmajor, rowsplit
 
     with solo_collectives():
-        step = runner.forward if width == 1 else None  # None: the runner's verify
-        fresh = runner.compiled is not None and runner.stage is None
-        if width == 1 and fresh and compiled.eligible(runner.make_cache()):
+        step = runner.forward if width == 1 else runner.verify
+        c = runner.compiled
+        fresh = c is not None and runner.stage is None and compiled.eligible(runner.make_cache())
+        if fresh and width == 1:
             rowsplit.blas_threads(one_row=True)
-            step = compiled.CompiledDecode(runner.compiled.forward, None).decode
+            step = compiled.CompiledDecode(c.forward, None).decode
+        elif fresh and c.windows and not runner.keep_hidden and kmajor.split_rows(rows * width):
+            rowsplit.blas_threads(one_row=True)  # as Runner.verify takes the compiled window
+            step = compiled.CompiledDecode(c.forward, None, c.window).verify
         return step_ms(runner, prompt, steps, rows, width, step)
 
 

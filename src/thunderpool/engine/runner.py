@@ -45,7 +45,7 @@ class Runner:
             kmajor.turn(model, rowsplit.ways())
         if compile and compiled.supports(model):
             self.ways = rowsplit.ways()
-            self.compiled = compiled.build(model, self._finish, stage, self.ways)
+            self.compiled = compiled.build(model, self._finish, stage, self.ways, self._every)
         if self.compiled is not None and not has_split_head(model):
             self.head = fused.head(model, self.ways)
 
@@ -94,7 +94,19 @@ class Runner:
 
     def verify(self, tokens: mx.array, cache: list) -> mx.array | None:
         """tokens (B, L) -> logits (B, L, V) of every position on the leader (a speculative
-        verify step); on followers, what must be evaluated."""
+        verify step); on followers, what must be evaluated. A few-row window replays a
+        compiled graph where the decode step does (not under PP, nor with MTP's hidden
+        states)."""
+        c = self.compiled
+        if (
+            c is not None
+            and c.windows
+            and compiled.eligible(cache)
+            and not self.keep_hidden
+            and kmajor.split_rows(tokens.size)
+        ):
+            rowsplit.blas_threads(one_row=True)  # the graph's products split over the streams
+            return c.verify(tokens, cache)
         self._blas(tokens)
         with attention.cpu_prefill(self.model):
             if self.stage is not None:
@@ -103,6 +115,10 @@ class Runner:
                 h = self.model.model(tokens, cache=cache)
         if self.keep_hidden:
             self.hidden = h
+        return self._every(h)
+
+    def _every(self, h: mx.array) -> mx.array:
+        """Every position's logits on ranks that project; h elsewhere."""
         if not (self.is_leader or self.every_rank_projects):
             return h
         return self.project(h)
