@@ -170,14 +170,15 @@ def test_attention_split_over_streams_equals_eager(ways, family_dirs, monkeypatc
 
 
 @pytest.mark.parametrize("cpu_exp", ["0", "1"])
-def test_attention_softmax_by_arithmetic_exp_equals_eager(cpu_exp, family_dirs, monkeypatch):
-    """Attention's softmax from the arithmetic exp (engine/cpu_exp.attend, here from the first
-    score on; by default from SOFTMAX_SCORES), and with THUNDERPOOL_CPU_EXP=0 MLX's own
-    softmax and SiLU: the same logits, decode and verify windows alike."""
+def test_softmax_and_silu_by_arithmetic_exp_equal_eager(cpu_exp, family_dirs, monkeypatch):
+    """Attention's softmax and SwiGLU from the arithmetic exp (engine/cpu_exp.py; here from
+    the first value on, by default from SOFTMAX_SCORES and SILU_VALUES), and with
+    THUNDERPOOL_CPU_EXP=0 MLX's own: the same logits, decode and verify windows alike."""
     from thunderpool.engine import cpu_exp as cpu_exp_module
 
     monkeypatch.setenv("THUNDERPOOL_CPU_EXP", cpu_exp)
     monkeypatch.setattr(cpu_exp_module, "SOFTMAX_SCORES", 0)
+    monkeypatch.setattr(cpu_exp_module, "SILU_VALUES", 0)
     group = mx.distributed.init()
     runner, _, _ = load_shard(family_dirs["qwen3"], group, Layout(compile=True))
     reference, _, _ = load_shard(family_dirs["qwen3"], group, Layout(compile=False))

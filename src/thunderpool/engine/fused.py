@@ -325,7 +325,6 @@ class FusedForward:
             if self.cpu and scores.size >= cpu_exp.SOFTMAX_SCORES:
                 return cpu_exp.attend(scores, values)
             return mx.softmax(scores, axis=-1, precise=True) @ values
-        exp = cpu_exp.exp if self.cpu else mx.exp
         parts = []
         cuts = rowsplit.bounds(cap, self.ways)
         for (a, b), s in zip(cuts, rowsplit.streams(len(cuts)), strict=True):
@@ -333,13 +332,13 @@ class FusedForward:
                 k, v = keys[..., a:b, :], values[..., a:b, :]
                 scores = mx.addmm(mask[..., a:b], q, k.swapaxes(-1, -2))
                 top = mx.max(scores, axis=-1, keepdims=True)
-                e = exp(scores - top)
+                e = mx.exp(scores - top)  # (the arithmetic exp's kernels cost more here)
                 total = mx.sum(e, axis=-1, keepdims=True)
                 parts.append((top, total, e @ v))
         top = parts[0][0]
         for m, _, _ in parts[1:]:
             top = mx.maximum(top, m)
-        weights = [exp(m - top) for m, _, _ in parts]
+        weights = [mx.exp(m - top) for m, _, _ in parts]
         num = sum(w * o for w, (_, _, o) in zip(weights, parts, strict=True))
         den = sum(w * t for w, (_, t, _) in zip(weights, parts, strict=True))
         return num / den
