@@ -260,6 +260,8 @@ def test_node_specs_carry_the_calibrated_fixed_costs():
     )
     rows = cal["row_op_latency_us"]
     assert [n.row_op_latency_s for n in nodes] == [rows["cpu"] * 1e-6, rows["m3-ultra"] * 1e-6]
+    reads = cal["row_read_fraction"]
+    assert [n.row_read_fraction for n in nodes] == [reads["cpu"], reads["m3-ultra"]]
     assert links[0].overhead_s == pytest.approx(cal["collective_overhead_us"]["tcp"] * 1e-6)
     rdma = apply(s, link("a", "b", 1e-5).model_copy(update={"link": "rdma"}))
     assert node_specs(rdma)[1][0].overhead_s == pytest.approx(

@@ -195,6 +195,10 @@ def test_each_row_beyond_the_first_pays_its_own_cost_per_matmul():
     assert rows.breakdown.memory_s == pytest.approx((weights + 8 * kv) / 100e9, rel=1e-12)
     assert verify.breakdown.memory_s == one.breakdown.memory_s
     assert rows.batch_tps == pytest.approx(8 * rows.decode_tps, rel=1e-12)
+    # A few-row CPU product streams slower: each further row re-pays a share of the weights.
+    cpu = NodeSpec("a", 64 * GiB, 60 * GiB, 100e9, 1e15, row_read_fraction=0.05)
+    slow = predict(spec, stage, {"a": cpu}, [], prompt_tokens=16, tokens_per_row=8)
+    assert slow.breakdown.memory_s == pytest.approx((weights * 1.35 + kv) / 100e9, rel=1e-12)
 
 
 def test_unfused_mla_attention_reads_the_latent_twice_plus_scores():

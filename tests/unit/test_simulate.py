@@ -87,13 +87,16 @@ def test_preset_expression_gives_calibrated_nodes_and_a_full_mesh():
 
 
 def test_cpu_nodes_pay_the_measured_cost_per_extra_row_and_macs_the_stated_one():
-    from thunderpool.planner.presets import live_row_op_latency_s
+    from thunderpool.planner.presets import live_row_op_latency_s, live_row_read_fraction
 
     cal = presets()["calibration"]["row_op_latency_us"]
     nodes, _ = parse_cluster("linux-ddr5-128+m3-ultra-512@10gbe").specs()
     assert [n.row_op_latency_s for n in nodes] == [cal["cpu"] * 1e-6, cal["m3-ultra"] * 1e-6]
     assert live_row_op_latency_s("Intel(R) Xeon(R) CPU") == cal["cpu"] * 1e-6
     assert live_row_op_latency_s("Apple M4 Max") == cal["m4"] * 1e-6
+    reads = presets()["calibration"]["row_read_fraction"]
+    assert [n.row_read_fraction for n in nodes] == [reads["cpu"], reads["m3-ultra"]]
+    assert live_row_read_fraction("Intel(R) Xeon(R) CPU") == reads["cpu"]
 
 
 def test_one_node_needs_no_link_and_terms_are_case_blind():

@@ -40,6 +40,7 @@ from thunderpool.planner.presets import (
     live_collective_overhead_s,
     live_op_latency_s,
     live_row_op_latency_s,
+    live_row_read_fraction,
 )
 
 RING_PORT_BASE = 29500
@@ -151,6 +152,7 @@ def node_specs(state: ClusterState) -> tuple[list[NodeSpec], list[LinkSpec]]:
             split_mem_bw_Bps=n.split_mem_bw_Bps,
             op_latency_s=n.op_latency_s or live_op_latency_s(n.chip),
             row_op_latency_s=live_row_op_latency_s(n.chip),
+            row_read_fraction=live_row_read_fraction(n.chip),
         )
         for n in state.nodes.values()
     ]

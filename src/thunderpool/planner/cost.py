@@ -3,10 +3,10 @@
 Each rank's decode time is max(bytes read / memory bandwidth, FLOPs / compute) plus a fixed
 dispatch cost per weight matmul (kernel launch and sync: it does not shrink when TP splits the
 matmul), plus, for a step of several rows (a batch, or a verify's positions), a cost per
-matmul for each row beyond the first. A TP stage runs its ranks in parallel (the slowest
-rank sets the pace) and pays 2 all-reduces per layer; a pure TP layout also splits the
-vocabulary over its ranks: one all-reduce of the embedded tokens and one gather of the logits
-per step (parallel/vocab.py).
+matmul and a fraction of the weights' read for each row beyond the first. A TP stage runs
+its ranks in parallel (the slowest rank sets the pace) and pays 2 all-reduces per layer; a
+pure TP layout also splits the vocabulary over its ranks: one all-reduce of the embedded
+tokens and one gather of the logits per step (parallel/vocab.py).
 PP stages run one after another for a single stream and pay one hop per stage boundary, plus
 the hop that returns the last hidden state to rank 0 (which holds the embedding and output
 head). Every collective also pays its link's fixed software overhead.
@@ -61,6 +61,9 @@ class NodeSpec:
     # And per matmul for each row (or verified position) beyond the first: the host and
     # kernel work a batched step repeats per row besides its products (presets.toml).
     row_op_latency_s: float = 0.0
+    # Each such row also re-pays this fraction of the weights' read time: a few-row CPU
+    # product streams its weights slower than a one-row one (presets.toml).
+    row_read_fraction: float = 0.0
     # Nodes with the same non-empty `host` share one machine (e.g. several agents on one box):
     # its memory, its `cores`, and `host_mem_bw_Bps`, the bandwidth all its cores reach together.
     host: str = ""
@@ -451,7 +454,8 @@ def _rank_time(
 ):
     """(memory seconds, compute seconds, dispatch seconds) of one decode step of `batch` tokens
     in `rows` sequences (0: one each) on one rank."""
-    nbytes = read_bytes(spec, stage, share, head, batch)
+    extra_reads = (batch - 1) * node.row_read_fraction
+    nbytes = read_bytes(spec, stage, share, head, batch) * (1 + extra_reads)
     nbytes += kv_read_bytes(spec, stage, share, batch, kv_len, kv_dtype_bytes, rows)
     flops = batch * _flops(spec, stage, share, head, kv_len)
     per_matmul = node.op_latency_s + (batch - 1) * node.row_op_latency_s

@@ -77,6 +77,7 @@ class Cluster:
                 op_latency_s=_lookup(cal["op_latency_us"], n.family, "family", n.name) * 1e-6,
                 row_op_latency_s=_lookup(cal["row_op_latency_us"], n.family, "family", n.name)
                 * 1e-6,
+                row_read_fraction=_lookup(cal["row_read_fraction"], n.family, "family", n.name),
             )
             for n in self.nodes
         ]
@@ -106,20 +107,28 @@ class Cluster:
         return who + (f" over {', '.join(kinds)}" if kinds else "")
 
 
-def live_op_latency_s(chip: str) -> float:
-    """The calibrated per-matmul cost for a measured node, by its chip: an Apple Ultra, another
-    Apple chip (the M4 fit), else MLX's CPU backend."""
+def live_family(chip: str) -> str:
+    """The calibrated family of a measured node, by its chip: an Apple Ultra, another Apple
+    chip (the M4 fit), else MLX's CPU backend."""
     chip = chip.lower()
-    family = "cpu" if "apple" not in chip else "m3-ultra" if "ultra" in chip else "m4"
-    return presets()["calibration"]["op_latency_us"][family] * 1e-6
+    return "cpu" if "apple" not in chip else "m3-ultra" if "ultra" in chip else "m4"
+
+
+def live_op_latency_s(chip: str) -> float:
+    """The calibrated per-matmul cost for a measured node, by its chip family."""
+    return presets()["calibration"]["op_latency_us"][live_family(chip)] * 1e-6
 
 
 def live_row_op_latency_s(chip: str) -> float:
-    """The calibrated per-matmul cost of each extra row of a batched step, by chip family as
-    live_op_latency_s (agents do not measure it)."""
-    chip = chip.lower()
-    family = "cpu" if "apple" not in chip else "m3-ultra" if "ultra" in chip else "m4"
-    return presets()["calibration"]["row_op_latency_us"][family] * 1e-6
+    """The calibrated per-matmul cost of each extra row of a batched step, by chip family
+    (agents do not measure it)."""
+    return presets()["calibration"]["row_op_latency_us"][live_family(chip)] * 1e-6
+
+
+def live_row_read_fraction(chip: str) -> float:
+    """The calibrated share of the weights' read each extra row of a batched step pays again,
+    by chip family (agents do not measure it)."""
+    return float(presets()["calibration"]["row_read_fraction"][live_family(chip)])
 
 
 def live_collective_overhead_s(kind: str) -> float:

@@ -3,17 +3,16 @@
 Both steps are priced from the per-step terms of cost.py. A verify step runs the target once
 over k+1 positions of one sequence (cost.predict(tokens_per_row=k+1)): a fixed part paid once
 (the per-matmul dispatch, every collective), the weights and the sequence's cache read once
-(MoE layers: the experts that k+1 tokens touch), and per position its FLOPs and
-row_op_latency_s per matmul beyond the first (measured on CPU, assumed 0 on Metal:
-presets.toml). Before it, the draft runs k times, one token each (the engine does not overlap
-drafting with verifying). A plain TP plan shards a separate draft like the target over its
-nodes where that is faster (engine/draft_load.py, with the draft on every node): a draft
-token is then the draft's own TP decode step, its bytes split over the nodes plus its
-collectives. Elsewhere
-(PP, EP, an MTP draft) the leader drafts while the other ranks wait: the draft's bytes at
-the leader's bandwidth plus its own dispatch floor. With per-token acceptance
-rate a (independent of position), a verify step emits E = (1 - a^(k+1)) / (1 - a) tokens on
-average (Leviathan et al. 2023), so tok/s = E / (k * draft_s + verify_s).
+(MoE layers: the experts that k+1 tokens touch), and per position its FLOPs and, beyond the
+first, row_op_latency_s per matmul and row_read_fraction of the weights' read (fitted on CPU,
+assumed 0 on Metal: presets.toml). Before it, the draft runs k times, one token each (the
+engine does not overlap drafting with verifying). A plain TP plan shards a separate draft like
+the target over its nodes where that is faster (engine/draft_load.py, with the draft on every
+node): a draft token is then the draft's own TP decode step, its bytes split over the nodes
+plus its collectives. Elsewhere (PP, EP, an MTP draft) the leader drafts while the other ranks
+wait: the draft's bytes at the leader's bandwidth plus its own dispatch floor. With per-token
+acceptance rate a (independent of position), a verify step emits E = (1 - a^(k+1)) / (1 - a)
+tokens on average (Leviathan et al. 2023), so tok/s = E / (k * draft_s + verify_s).
 """
 
 from __future__ import annotations
