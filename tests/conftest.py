@@ -28,6 +28,18 @@ BASE = {
     "torch_dtype": "float32",
 }
 
+# The embedded SmolLM2-135M's shape, as the planner reads a config.
+SMOLLM2 = {
+    "model_type": "llama",
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+}
+
 TINY = {
     # 8 query / 2 KV heads: TP2 is even (mlx-lm's shard), TP3 replicates KV heads.
     "llama": {

@@ -79,6 +79,14 @@ def cpu_exp_choice() -> bool | None:
     return _switch("THUNDERPOOL_CPU_EXP", "set 0 to keep MLX's own exp")
 
 
+def cpu_only(choice: bool | None, cpu: bool, refusal: str) -> bool:
+    """A CPU-only path's switch: unset means on where the rank is a CPU; 1 on a GPU rank,
+    where the path is untested, is refused with `refusal`."""
+    if choice and not cpu:
+        raise ThunderpoolError(refusal)
+    return cpu if choice is None else choice
+
+
 def _switch(name: str, hint: str) -> bool | None:
     """An environment switch of 0, 1 or auto (or unset: None), any other value refused."""
     value = os.environ.get(name, "auto").strip().lower()

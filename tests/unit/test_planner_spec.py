@@ -3,21 +3,10 @@
 import json
 
 import pytest
-from conftest import TINY
+from conftest import SMOLLM2, TINY
 
 from thunderpool.errors import ModelError
 from thunderpool.planner.spec import model_spec, model_spec_from_config, read_safetensors_header
-
-SMOLLM2 = {
-    "model_type": "llama",
-    "hidden_size": 576,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "intermediate_size": 1536,
-    "vocab_size": 49152,
-    "tie_word_embeddings": True,
-}
 
 
 def test_smollm2_parameter_count_and_kv_bytes():

@@ -4,6 +4,7 @@ price from the same cost model as plain decode."""
 from __future__ import annotations
 
 import pytest
+from conftest import SMOLLM2
 
 from thunderpool.bench.synthetic import PRESETS
 from thunderpool.errors import ThunderpoolError
@@ -152,16 +153,6 @@ def test_a_tp_plan_prices_its_draft_sharded_where_that_is_faster(tp4):
 
 # --- the CPU's extra rows, fitted on two measured models (issue 28, docs/benchmarks.md §16) --
 
-SMOLLM2 = {
-    "model_type": "llama",
-    "hidden_size": 576,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "intermediate_size": 1536,
-    "vocab_size": 49152,
-    "tie_word_embeddings": True,
-}
 # step(rows) / step(1), measured on one rank of the 2-core VM, float32: SmolLM2's 8 batched
 # streams at 93.0 tok/s against 24.0 for one; the 1.1 B verify of 5 positions at 204.8/206.8 ms
 # against a plain step of 158.3/160.1 ms.

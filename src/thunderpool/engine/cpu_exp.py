@@ -15,8 +15,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.activations import swiglu as _swiglu
 
-from thunderpool.config import cpu_exp_choice
-from thunderpool.errors import ThunderpoolError
+from thunderpool.config import cpu_exp_choice, cpu_only
 
 LOG2E = 1.4426950408889634
 LN2_HI, LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 in two parts (Cody-Waite): f stays exact
@@ -35,13 +34,12 @@ SILU_VALUES = 4096
 def wanted() -> bool:
     """On a CPU rank unless THUNDERPOOL_CPU_EXP=0; refused on a GPU, where no test has
     compared it with the native exp."""
-    choice, cpu = cpu_exp_choice(), mx.default_device() == mx.cpu
-    if choice and not cpu:
-        raise ThunderpoolError(
-            "THUNDERPOOL_CPU_EXP=1 asks for the CPU's arithmetic exp on a GPU rank, where it is "
-            "untested; unset it (GPU ranks keep the native exp)"
-        )
-    return cpu if choice is None else choice
+    return cpu_only(
+        cpu_exp_choice(),
+        mx.default_device() == mx.cpu,
+        "THUNDERPOOL_CPU_EXP=1 asks for the CPU's arithmetic exp on a GPU rank, where it is "
+        "untested; unset it (GPU ranks keep the native exp)",
+    )
 
 
 def exp(x: mx.array) -> mx.array:

@@ -21,9 +21,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from thunderpool.config import kmajor_choice
+from thunderpool.config import cpu_only, kmajor_choice
 from thunderpool.engine import rowsplit
-from thunderpool.errors import ThunderpoolError
 
 # Module types whose forward is x @ weight.T (+ bias) on a 2-D float weight, around which a
 # TP all_sum may come (mlx's sharded linears; parallel/tensor.SumAfter wraps one of these).
@@ -37,13 +36,12 @@ SPLIT_ROWS = 32
 def wanted() -> bool:
     """K-major weights on a CPU rank, unless THUNDERPOOL_KMAJOR turns them off; refused on a
     GPU, where no test has compared them with MLX's layout."""
-    choice, cpu = kmajor_choice(), mx.default_device() == mx.cpu
-    if choice and not cpu:
-        raise ThunderpoolError(
-            "THUNDERPOOL_KMAJOR=1 asks for input-major weights on a GPU rank, where they are "
-            "untested; unset it (GPU ranks keep MLX's layout)"
-        )
-    return cpu if choice is None else choice
+    return cpu_only(
+        kmajor_choice(),
+        mx.default_device() == mx.cpu,
+        "THUNDERPOOL_KMAJOR=1 asks for input-major weights on a GPU rank, where they are "
+        "untested; unset it (GPU ranks keep MLX's layout)",
+    )
 
 
 def split_rows(rows: int) -> bool:
