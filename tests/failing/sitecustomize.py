@@ -3,7 +3,8 @@ dir is put first on PYTHONPATH only in those tests' runs, so Python imports this
 start of every process they start, and it acts in rank processes only.
 
 THUNDERPOOL_TEST_FAIL="load:RANK" raises while rank RANK loads its shard; "decode:RANK" raises
-on its second step plan (the first after the prompt's prefill, so inside decode); "die:RANK"
+on its second step plan (the first after the prompt's prefill, so inside decode; a serving
+rank's first request's, after its warm-up); "die:RANK"
 SIGKILLs the rank there instead. The failing rank writes the wall-clock time of its failure to
 the file THUNDERPOOL_TEST_FAIL_MARK names, and fails only while that file does not exist (so a
 serving instance's replacement runs). The patch is installed when the engine's modules are
@@ -46,9 +47,13 @@ def _patch(module) -> None:
         module.load_shard = load_shard
         return
     real_execute = module.Executor.execute
-    calls = [0]
+    # A serving rank counts from its first park: before it, the instance warms up (serve.py).
+    calls = [0 if "thunderpool.engine.serve" not in sys.modules else None]
 
     def execute(self, plan, sink=None):
+        if calls[0] is None:
+            calls[0] = 0 if plan.op == "park" else None
+            return real_execute(self, plan, sink)
         calls[0] += 1
         if calls[0] == 2:
             _fail(self.runner.group, when, rank)
