@@ -53,7 +53,7 @@ def serve(
     control = control_for(runner)
     drafter = drafter_for(job, runner, control, layout)  # every rank: may be sharded
     # The loaded modules' ~330K objects move out of the collector's reach: a full collection of
-    # them took 0.15 s, a stall of every rank's step mid-stream.
+    # them takes 0.15 s, a stall of every rank's step whenever one comes mid-stream.
     gc.collect()
     gc.freeze()
     if not runner.is_leader:
