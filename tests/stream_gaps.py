@@ -6,6 +6,7 @@ delivered late: a stall in delivery while the leader's own gaps stayed short."""
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 import time
@@ -23,7 +24,7 @@ _BUCKET = re.compile(rf'^{PREFIX}inter_token_latency_seconds_bucket{{le="([^"]+)
 
 @dataclass(frozen=True)
 class Stream:
-    times: list[float]  # each content chunk's arrival, on this clock
+    times: list[float]  # each text chunk's arrival, on this clock
     late: list[float]  # for each token the leader made over LEADER_LATE_S after the previous:
     # the upper bound of its histogram bucket (inf for the last bucket)
 
@@ -47,6 +48,10 @@ def _late(before: list[tuple[float, int]], after: list[tuple[float, int]]) -> li
     return late
 
 
+def _text(chunk: dict) -> str:
+    return "".join(c.get("delta", {}).get("content") or "" for c in chunk.get("choices", []))
+
+
 def chunk_times(url: str) -> Stream:
     """Arrival times of the content chunks of one greedy streamed chat answer, and the leader's
     own late tokens during it."""
@@ -64,7 +69,8 @@ def chunk_times(url: str) -> Stream:
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
-            if line.startswith("data: {") and '"content"' in line:
+            # Text only: the first chunk, which names the role, leaves before the prefill.
+            if line.startswith("data: {") and _text(json.loads(line[6:])):
                 times.append(time.perf_counter())
     return Stream(times, _late(before, _itl_buckets(url)))
 
