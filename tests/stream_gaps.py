@@ -53,7 +53,7 @@ def _text(chunk: dict) -> str:
 
 
 def chunk_times(url: str) -> Stream:
-    """Arrival times of the content chunks of one greedy streamed chat answer, and the leader's
+    """Arrival times of the text chunks of one greedy streamed chat answer, and the leader's
     own late tokens during it."""
     model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
     body = {
