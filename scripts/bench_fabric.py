@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "clust
 from testbed import AGENT_PORT, Testbed, available, node_cmd, wait_until  # noqa: E402
 
 from thunderpool.bench.synthetic import synthetic_model  # noqa: E402
-from thunderpool.cluster.client import AgentClient, AgentError  # noqa: E402
-from thunderpool.cluster.coordinator import ClusterInstance, Coordinator  # noqa: E402
-from thunderpool.cluster.weights_api import RemoveShards  # noqa: E402
+from thunderpool.cluster.control.client import AgentClient, AgentError  # noqa: E402
+from thunderpool.cluster.control.coordinator import ClusterInstance, Coordinator  # noqa: E402
+from thunderpool.cluster.weights.routes import RemoveShards  # noqa: E402
 from thunderpool.engine.job import RankJob, TraceTask  # noqa: E402
 
 TOKEN = "fabric-bench-token"

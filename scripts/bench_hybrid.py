@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "cluster"))
 from testbed import AGENT_PORT, Testbed, available, node_cmd, wait_until  # noqa: E402
 
-from thunderpool.cluster.client import AgentError  # noqa: E402
-from thunderpool.cluster.coordinator import (  # noqa: E402
+from thunderpool.cluster.control.client import AgentError  # noqa: E402
+from thunderpool.cluster.control.coordinator import (  # noqa: E402
     ClusterInstance,
     Coordinator,
     node_specs,

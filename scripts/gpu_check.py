@@ -166,7 +166,7 @@ def one_rank(models: dict[str, Path], report: Report) -> None:
 def two_ranks(models: dict[str, Path], tmp: Path, report: Report) -> None:
     from compiled_ranks import PHASES
 
-    from thunderpool.cluster.launch import free_ports
+    from thunderpool.launch.local import free_ports
 
     steps = sum(s for _, _, s in PHASES)
     layouts = {
@@ -204,8 +204,8 @@ def two_ranks(models: dict[str, Path], tmp: Path, report: Report) -> None:
 
 
 def traced(model: Path, out: Path, nodes: int, parallel: str, compile: bool) -> dict:
-    from thunderpool.cluster.launch import LocalInstance
     from thunderpool.engine.job import RankJob, TraceTask
+    from thunderpool.launch.local import LocalInstance
 
     task = TraceTask(prompts=PROMPTS, max_tokens=24, out=str(out))
     job = RankJob(

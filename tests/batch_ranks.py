@@ -31,7 +31,6 @@ import mlx.core as mx
 import numpy as np
 
 from thunderpool.bench.breakdown import counting_collectives
-from thunderpool.cluster.launch import child_setup, free_ports, one_core_env
 from thunderpool.engine import executor
 from thunderpool.engine.control import Control, control_for
 from thunderpool.engine.engine import Engine, follow
@@ -40,6 +39,7 @@ from thunderpool.engine.plan import STOP_PLAN, StepPlan
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.sequence import TextRequests
 from thunderpool.engine.speculate import draft_ranks
+from thunderpool.launch.local import child_setup, free_ports, one_core_env
 
 
 def plan_name(plan: StepPlan) -> str:
@@ -280,7 +280,7 @@ def run_mpi_ranks(spec: dict, tmp: Path, timeout: float, nodes: int, script: str
     """`script` on `nodes` ranks under mpirun (MLX's mpi backend, unpinned, oversubscribed:
     Open MPI then yields the core while it waits, where ring ranks spin); returns what rank 0
     wrote. The rank program must init the "mpi" backend (spec["backend"] says so)."""
-    from thunderpool.cluster.mpi import find_mpi, mpi_command
+    from thunderpool.launch.mpi import find_mpi, mpi_command
 
     mpirun, lib = find_mpi()
     spec_file, out_file = tmp / "spec.json", tmp / "out.json"

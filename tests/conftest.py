@@ -190,9 +190,9 @@ def run_trace(
     **job_fields,
 ) -> dict[str, np.ndarray]:
     """Greedy-decode `prompts` on `nodes` real rank processes; returns tokens and logits."""
-    from thunderpool.cluster.launch import LocalInstance
     from thunderpool.engine.job import RankJob, TraceTask
     from thunderpool.engine.sampling import SamplingParams
+    from thunderpool.launch.local import LocalInstance
 
     task = TraceTask(
         prompts=tuple(map(tuple, prompts or tiny_prompts())),

@@ -18,13 +18,13 @@ import thunderpool
 
 thunderpool.hide_torch()
 
-from thunderpool.cluster import lifeline  # noqa: E402
+from thunderpool.launch import lifeline  # noqa: E402
 
 lifeline.PDEATHSIG = False
 
-from thunderpool.cluster.launch import free_ports  # noqa: E402
 from thunderpool.config import LINK_TOKEN_ENV  # noqa: E402
 from thunderpool.engine.job import RankJob, ServeTask  # noqa: E402
+from thunderpool.launch.local import free_ports  # noqa: E402
 
 
 def serving_job(model: str, backend: str) -> RankJob:
@@ -33,7 +33,7 @@ def serving_job(model: str, backend: str) -> RankJob:
 
 
 def launcher(backend: str, model: str) -> None:
-    from thunderpool.cluster.mpi import local_instance
+    from thunderpool.launch.mpi import local_instance
 
     env = {LINK_TOKEN_ENV: "t"}
     with local_instance(serving_job(model, backend), timeout=None, env=env) as inst:
@@ -43,8 +43,8 @@ def launcher(backend: str, model: str) -> None:
 
 
 def agent(model: str) -> None:
-    from thunderpool.cluster.messages import RankSpec
-    from thunderpool.cluster.ranks import RankManager
+    from thunderpool.cluster.control.messages import RankSpec
+    from thunderpool.cluster.control.ranks import RankManager
 
     manager = RankManager(link_token="t", lease=3600)
     job = serving_job(model, "ring").model_dump_json()

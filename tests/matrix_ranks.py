@@ -24,11 +24,11 @@ import mlx.core as mx
 import numpy as np
 from batch_ranks import run_batch, run_mpi_ranks, run_ranks
 
-from thunderpool.cluster.blas import fast_blas_env
 from thunderpool.engine import oneshot
 from thunderpool.engine.job import RankJob, TraceTask
 from thunderpool.engine.loader import Layout
 from thunderpool.engine.sampling import SamplingParams
+from thunderpool.launch.blas import fast_blas_env
 
 
 def recorder(events: list):
@@ -106,7 +106,7 @@ def trace_job(model_dir, out, nodes: int, prompts, max_tokens: int, sampling=Non
 def launch_backend(nodes: int) -> str:
     """More ranks than CI's 2 cores run under mpirun, whose ranks yield the core while they
     wait (ring's busy-poll: ~4x slower there); ring where Open MPI is missing."""
-    from thunderpool.cluster.mpi import mpi_available
+    from thunderpool.launch.mpi import mpi_available
 
     return "mpi" if nodes > 2 and mpi_available() else "ring"
 

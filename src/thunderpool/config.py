@@ -99,6 +99,6 @@ def _switch(name: str, hint: str) -> bool | None:
 
 def lifeline_fd() -> int | None:
     """THUNDERPOOL_LIFELINE_FD: in a rank, the file its launcher's lifeline arrives on
-    (cluster/lifeline.py); None for a rank started by hand."""
+    (launch/lifeline.py); None for a rank started by hand."""
     value = os.environ.get("THUNDERPOOL_LIFELINE_FD", "")
     return int(value) if value.isdigit() else None

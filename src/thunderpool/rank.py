@@ -11,7 +11,7 @@ import sys
 
 import thunderpool
 
-if __name__ == "__main__":  # a rank process, not the launcher importing EVENT_PREFIX
+if __name__ == "__main__":
     thunderpool.hide_torch()
 
 import json
@@ -21,13 +21,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from thunderpool.cluster.lifeline import hold
 from thunderpool.config import lifeline_fd
-from thunderpool.engine.job import BenchTask, RankJob, ServeTask
+from thunderpool.engine.job import EVENT_PREFIX, BenchTask, RankJob, ServeTask
 from thunderpool.engine.loader import Layout
 from thunderpool.errors import ThunderpoolError
-
-EVENT_PREFIX = "TPEV "
+from thunderpool.launch.lifeline import hold
 
 
 def emit(kind: str, **fields) -> None:
@@ -42,13 +40,13 @@ def load_progress(rank: int):
 def runtime(job: RankJob) -> dict:
     """What this rank runs on, for /v1/cluster and serve's startup lines: its BLAS (the
     preloaded fast one, or the wheel's slow reference one) and its collective backend."""
-    from thunderpool.cluster.blas import in_use
+    from thunderpool.engine.blas import in_use
 
     return {**in_use(), "backend": job.backend if job.mlx_world() > 1 else None}
 
 
 def run(job: RankJob) -> None:
-    from thunderpool.cluster.metal import raise_wired_limit
+    from thunderpool.cluster.node.metal import raise_wired_limit
 
     raise_wired_limit()  # on Metal: keep the shard wired, as mlx-lm does (no-op elsewhere)
     world = job.mlx_world()

@@ -118,7 +118,8 @@ def test_each_rank_shows_its_own_memory(served, tiny_chat, tmp_path):
 def test_each_rank_says_which_blas_and_backend_it_runs(served):
     """What a rank preloads is what fast_blas_env picked in this process; both ranks say so in
     /v1/cluster and in serve's startup lines, and an API request gets one access-log line."""
-    from thunderpool.cluster.blas import REFERENCE, fast_blas_env, kind_of
+    from thunderpool.engine.blas import REFERENCE, kind_of
+    from thunderpool.launch.blas import fast_blas_env
 
     url, _, log = served
     preload = fast_blas_env().get("LD_PRELOAD", "").split()[:1]

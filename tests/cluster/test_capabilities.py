@@ -13,7 +13,8 @@ import pytest
 from recorded.replay import RECORDED, Replay
 
 from thunderpool import __version__
-from thunderpool.cluster.capabilities import (
+from thunderpool.cluster.control.messages import Interface
+from thunderpool.cluster.node.capabilities import (
     backends,
     node_info,
     parse_cpuinfo,
@@ -24,7 +25,6 @@ from thunderpool.cluster.capabilities import (
     parse_rdma_ctl,
     parse_vm_stat,
 )
-from thunderpool.cluster.messages import Interface
 
 LINUX = RECORDED / "linux"
 
@@ -162,12 +162,12 @@ def test_agents_on_one_machine_measure_one_at_a_time(tmp_path):
     import sys
     import threading
 
-    from thunderpool.cluster.capabilities import measuring_alone
+    from thunderpool.cluster.node.capabilities import measuring_alone
 
     lock = tmp_path / "measure.lock"
     code = (
         "import sys; from pathlib import Path; "
-        "from thunderpool.cluster.capabilities import measuring_alone\n"
+        "from thunderpool.cluster.node.capabilities import measuring_alone\n"
         f"with measuring_alone(Path({str(lock)!r})):\n"
         "    print('held', flush=True); sys.stdin.readline()\n"
     )
@@ -194,8 +194,8 @@ def test_agents_on_one_machine_measure_one_at_a_time(tmp_path):
 
 def test_pinned_speed_is_measured_as_a_pinned_rank_runs(monkeypatch):
     """The child runs on the given core with one BLAS thread and the ranks' fast BLAS."""
-    from thunderpool.cluster import capabilities
-    from thunderpool.cluster.blas import fast_blas_env
+    from thunderpool.cluster.node import capabilities
+    from thunderpool.launch.blas import fast_blas_env
 
     seen = {}
 
@@ -238,7 +238,7 @@ def test_host_id_is_the_boot_id_unless_overridden(tmp_path):
 
 def test_cpu_count_is_the_cores_the_agent_may_use(monkeypatch):
     """A container pinned to cores 4-5 of a 16-core machine reports 2, and pins its ranks there."""
-    from thunderpool.cluster.launch import own_core
+    from thunderpool.launch.local import own_core
 
     if not hasattr(os, "sched_getaffinity"):
         pytest.skip("no CPU affinity on this OS")
@@ -252,7 +252,7 @@ def test_cpu_count_is_the_cores_the_agent_may_use(monkeypatch):
 
 def test_node_host_id_flag_then_environment(monkeypatch):
     from thunderpool.cli import build_parser
-    from thunderpool.cluster.node import host_override
+    from thunderpool.cli.node import host_override
 
     monkeypatch.delenv("THUNDERPOOL_HOST_ID", raising=False)
     assert host_override(build_parser().parse_args(["node"])) is None
@@ -265,7 +265,7 @@ def test_node_host_id_flag_then_environment(monkeypatch):
 def test_memory_is_capped_by_the_cgroup_limit(tmp_path):
     """A container started with --memory 8g on a 64 GiB machine reports 8 GiB, and as free
     what its cgroup has left (page cache it can drop counts as free); no limit: /proc/meminfo."""
-    from thunderpool.cluster.capabilities import cgroup_memory
+    from thunderpool.cluster.node.capabilities import cgroup_memory
 
     total, free = 64 * 2**30, 50 * 2**30
     assert cgroup_memory(tmp_path, total, free) == (total, free)  # no cgroup files

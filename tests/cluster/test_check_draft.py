@@ -3,8 +3,8 @@ any rank starts (a fake agent client records the questions)."""
 
 import pytest
 
-from thunderpool.cluster.fabric import check_draft
-from thunderpool.cluster.state import ClusterState
+from thunderpool.cluster.control.state import ClusterState
+from thunderpool.cluster.weights.fabric import check_draft
 from thunderpool.engine.job import GenerateTask, RankJob
 from thunderpool.errors import LaunchError
 

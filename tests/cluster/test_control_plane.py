@@ -11,8 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from thunderpool import __version__
-from thunderpool.cluster.agent import Agent, create_agent_app
-from thunderpool.cluster.auth import (
+from thunderpool.cluster.control.agent import Agent, create_agent_app
+from thunderpool.cluster.control.auth import (
     NONCE_HEADER,
     SIG_HEADER,
     TS_HEADER,
@@ -23,9 +23,9 @@ from thunderpool.cluster.auth import (
     sign,
     verify,
 )
-from thunderpool.cluster.messages import Hello, Interface, Left, LinkMeasured, NodeInfo
-from thunderpool.cluster.ranks import RankManager
-from thunderpool.cluster.state import ClusterState, apply
+from thunderpool.cluster.control.messages import Hello, Interface, Left, LinkMeasured, NodeInfo
+from thunderpool.cluster.control.ranks import RankManager
+from thunderpool.cluster.control.state import ClusterState, apply
 
 
 def node(node_id: str, address: str, version: str = __version__) -> NodeInfo:
@@ -87,7 +87,7 @@ def test_a_stale_copy_never_overwrites_a_newer_self_report():
 def test_an_agent_takes_new_network_facts_and_tells_its_peers(monkeypatch):
     told = []
     monkeypatch.setattr(
-        "thunderpool.cluster.agent.AgentClient",
+        "thunderpool.cluster.control.agent.AgentClient",
         lambda contact, token: type("C", (), {"call": lambda s, *a, **k: told.append(contact)})(),
     )
     me = Agent(
@@ -245,7 +245,7 @@ def test_agent_never_unpickles_a_body(agent_client):
 def test_node_specs_carry_the_calibrated_fixed_costs():
     """Live plans pay the simulator's per-matmul cost and per-row cost (by chip) and
     per-collective cost (by link kind), as presets.toml states them, not zero."""
-    from thunderpool.cluster.coordinator import node_specs
+    from thunderpool.cluster.control.coordinator import node_specs
     from thunderpool.planner.presets import presets
 
     cal = presets()["calibration"]
@@ -270,7 +270,7 @@ def test_node_specs_carry_the_calibrated_fixed_costs():
 
 
 def test_a_measured_op_latency_replaces_the_calibrated_one():
-    from thunderpool.cluster.coordinator import node_specs
+    from thunderpool.cluster.control.coordinator import node_specs
 
     measured = node("a", "10.0.0.1").model_copy(update={"op_latency_s": 4e-5})
     s = apply(ClusterState(), Hello(node=measured, contact="10.0.0.1:7070"))
@@ -279,7 +279,7 @@ def test_a_measured_op_latency_replaces_the_calibrated_one():
 
 def test_node_specs_carry_the_pinned_core_rates():
     """What one pinned core reaches, as the agent measured it, reaches the planner unchanged."""
-    from thunderpool.cluster.coordinator import node_specs
+    from thunderpool.cluster.control.coordinator import node_specs
 
     pinned = node("a", "10.0.0.1").model_copy(
         update={
@@ -299,7 +299,7 @@ def test_node_specs_carry_the_pinned_core_rates():
 
 def test_agents_on_one_machine_share_their_lowest_host_bandwidth():
     """Each agent of a machine measured its bus; the planner gives all of them the lowest."""
-    from thunderpool.cluster.coordinator import node_specs
+    from thunderpool.cluster.control.coordinator import node_specs
 
     s = ClusterState()
     for name, address, host, bw in (
@@ -316,8 +316,8 @@ def test_agents_on_one_machine_share_their_lowest_host_bandwidth():
 def test_join_waits_for_a_seed_that_is_not_up_yet_but_not_for_a_refusal():
     """Nodes started together: the seed may still be measuring. A seed that does not answer
     is retried until it does; a refusal ends the join at once."""
-    from thunderpool.cluster.agent import join_all
-    from thunderpool.cluster.client import AgentError, AgentUnreachable
+    from thunderpool.cluster.control.agent import join_all
+    from thunderpool.cluster.control.client import AgentError, AgentUnreachable
 
     class Joiner:
         def __init__(self, failures):

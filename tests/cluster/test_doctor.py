@@ -11,7 +11,9 @@ import pytest
 from recorded.replay import Replay
 
 from thunderpool import __version__
-from thunderpool.cluster.doctor import (
+from thunderpool.cli.doctor import add_doctor_parser, doctor_main
+from thunderpool.cluster.control.messages import NodeInfo
+from thunderpool.cluster.node.doctor import (
     Check,
     check_thunderbolt,
     parse_peer,
@@ -22,8 +24,6 @@ from thunderpool.cluster.doctor import (
     try_bind,
     try_connect,
 )
-from thunderpool.cluster.doctor_cli import add_doctor_parser, doctor_main
-from thunderpool.cluster.messages import NodeInfo
 
 MLX_OK = ("0.32.4", True, "")
 BLIS_PATH = "/usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4"
@@ -404,10 +404,10 @@ def test_doctor_main_asks_the_local_agent_for_the_peers(capsys, monkeypatch, tmp
     machine's host id under another name."""
     import json
 
-    from thunderpool.cluster.capabilities import node_info
-    from thunderpool.cluster.coordinator import Coordinator
-    from thunderpool.cluster.messages import Hello
-    from thunderpool.cluster.state import ClusterState, apply
+    from thunderpool.cluster.control.coordinator import Coordinator
+    from thunderpool.cluster.control.messages import Hello
+    from thunderpool.cluster.control.state import ClusterState, apply
+    from thunderpool.cluster.node.capabilities import node_info
 
     monkeypatch.setenv("COLUMNS", "300")
     monkeypatch.setenv("THUNDERPOOL_HOME", str(tmp_path))

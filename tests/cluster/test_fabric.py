@@ -19,14 +19,14 @@ from conftest import tiny_prompts
 from test_control_plane import node
 from testbed import wait_until
 
-from thunderpool.cluster.agent import Agent, create_agent_app
-from thunderpool.cluster.auth import Identity, sign
-from thunderpool.cluster.coordinator import ClusterInstance, Coordinator
-from thunderpool.cluster.ranks import RankManager
-from thunderpool.cluster.shards import RankLayout, geometry, index_model, rank_pieces
-from thunderpool.cluster.source import ModelSource
-from thunderpool.cluster.transfer import encode
-from thunderpool.cluster.weights_api import FetchShards, RemoveShards
+from thunderpool.cluster.control.agent import Agent, create_agent_app
+from thunderpool.cluster.control.auth import Identity, sign
+from thunderpool.cluster.control.coordinator import ClusterInstance, Coordinator
+from thunderpool.cluster.control.ranks import RankManager
+from thunderpool.cluster.weights.routes import FetchShards, RemoveShards
+from thunderpool.cluster.weights.shards import RankLayout, geometry, index_model, rank_pieces
+from thunderpool.cluster.weights.source import ModelSource
+from thunderpool.cluster.weights.transfer import encode
 from thunderpool.engine.job import RankJob, TraceTask
 from thunderpool.errors import ModelError
 from thunderpool.models.source import resolve_model
@@ -183,7 +183,7 @@ def test_ep2_as_planned_fetches_only_its_experts_and_matches_one_rank(
 ):
     """The planner's EP plan, launched over the fabric: node b is sent its attention slices
     and only its own experts' tensors (per-expert checkpoint), and decodes as one rank does."""
-    from thunderpool.cluster.coordinator import plan_layout
+    from thunderpool.cluster.control.coordinator import plan_layout
     from thunderpool.planner.cost import LinkSpec, NodeSpec
     from thunderpool.planner.placement import place
     from thunderpool.planner.spec import model_spec
@@ -316,8 +316,8 @@ def test_health_shows_each_fetching_nodes_bytes_rate_and_eta():
 
     from thunderpool.api.openapi import Health
     from thunderpool.api.routes import create_app
-    from thunderpool.cluster.cache_cli import health_listener
-    from thunderpool.cluster.fabric import NodeFetch
+    from thunderpool.cli.cache import health_listener
+    from thunderpool.cluster.weights.fabric import NodeFetch
     from thunderpool.engine.service import EngineInfo
     from thunderpool.serving.gateway import Gateway
 
@@ -349,8 +349,8 @@ def test_a_coordinator_without_the_model_plans_from_a_members_config_and_headers
     import argparse
 
     import thunderpool.models.source as models
-    from thunderpool.cluster.cli import ranked_plans
-    from thunderpool.cluster.remote_model import MARKER, model_here_or_remote
+    from thunderpool.cli.cluster import ranked_plans
+    from thunderpool.cluster.control.remote_model import MARKER, model_here_or_remote
     from thunderpool.planner.spec import model_spec
 
     model, _, _, coord = pair
@@ -378,8 +378,8 @@ def test_a_shard_in_many_chunks_holds_exactly_the_slices(pair, tmp_path):
     model in 64 KiB chunks), and a fetch cut after some chunks resumes from them."""
     from test_fabric_testbed import make_checkpoint
 
-    from thunderpool.cluster.shards import IN_PLACE, SHARD_MANIFEST
-    from thunderpool.cluster.transfer import ShardFetch, SourceClient
+    from thunderpool.cluster.weights.shards import IN_PLACE, SHARD_MANIFEST
+    from thunderpool.cluster.weights.transfer import ShardFetch, SourceClient
 
     _, a, _, coord = pair
     model = make_checkpoint(tmp_path / "m16")  # `a` resolves any path; nobody hides this one

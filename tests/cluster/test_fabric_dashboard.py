@@ -14,8 +14,8 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from thunderpool.api.dashboard import mount_dashboard
-from thunderpool.cluster.cache_cli import health_listener
-from thunderpool.cluster.fabric import NodeFetch
+from thunderpool.cli.cache import health_listener
+from thunderpool.cluster.weights.fabric import NodeFetch
 
 CHROMIUM = Path("/usr/bin/chromium")
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium")

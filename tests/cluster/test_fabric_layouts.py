@@ -11,8 +11,8 @@ import pytest
 from conftest import run_trace, tiny_prompts
 from test_fabric import loaded_bytes, pair, received  # noqa: F401  (pair: the two agents)
 
-from thunderpool.cluster.coordinator import ClusterInstance
-from thunderpool.cluster.shards import RankLayout, geometry, index_model, rank_pieces
+from thunderpool.cluster.control.coordinator import ClusterInstance
+from thunderpool.cluster.weights.shards import RankLayout, geometry, index_model, rank_pieces
 from thunderpool.engine.job import RankJob, TraceTask
 
 pytestmark = pytest.mark.timeout(600)

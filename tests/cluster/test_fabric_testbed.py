@@ -24,10 +24,10 @@ from mlx_lm.utils import _get_classes
 from testbed import AGENT_PORT as PORT
 from testbed import Testbed, available, node_cmd, wait_until
 
-from thunderpool.cluster.client import AgentClient, AgentError
-from thunderpool.cluster.coordinator import ClusterInstance, Coordinator
-from thunderpool.cluster.transfer import TIMEOUT_ENV, encode
-from thunderpool.cluster.weights_api import Locate, RemoveShards
+from thunderpool.cluster.control.client import AgentClient, AgentError
+from thunderpool.cluster.control.coordinator import ClusterInstance, Coordinator
+from thunderpool.cluster.weights.routes import Locate, RemoveShards
+from thunderpool.cluster.weights.transfer import TIMEOUT_ENV, encode
 from thunderpool.engine.job import RankJob, TraceTask
 from thunderpool.models.source import default_gguf_path, resolve_model
 

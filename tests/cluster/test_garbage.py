@@ -21,11 +21,11 @@ import pytest
 import uvicorn
 from test_control_plane import UNPICKLED, Canary, node
 
-from thunderpool.cluster.agent import Agent, create_agent_app
-from thunderpool.cluster.auth import AuthError, Identity
-from thunderpool.cluster.client import AgentClient
-from thunderpool.cluster.probe import ProbeServer, measure
-from thunderpool.cluster.ranks import RankManager
+from thunderpool.cluster.control.agent import Agent, create_agent_app
+from thunderpool.cluster.control.auth import AuthError, Identity
+from thunderpool.cluster.control.client import AgentClient
+from thunderpool.cluster.control.probe import ProbeServer, measure
+from thunderpool.cluster.control.ranks import RankManager
 from thunderpool.engine import link
 from thunderpool.engine.link_server import LeaderServer
 from thunderpool.engine.sampling import SamplingParams

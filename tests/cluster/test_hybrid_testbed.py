@@ -12,8 +12,8 @@ from conftest import greedy_full_forward, tiny_prompts
 from testbed import AGENT_PORT as PORT
 from testbed import Testbed, available, node_cmd, wait_until
 
-from thunderpool.cluster.client import AgentError
-from thunderpool.cluster.coordinator import ClusterInstance, Coordinator, handoff_addresses
+from thunderpool.cluster.control.client import AgentError
+from thunderpool.cluster.control.coordinator import ClusterInstance, Coordinator, handoff_addresses
 from thunderpool.engine.job import RankJob, TraceTask
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 
-from thunderpool.cluster.coordinator import ring_hostfile, ring_port_base
-from thunderpool.cluster.jaccl import jaccl_config
-from thunderpool.cluster.launch import free_ports
-from thunderpool.cluster.messages import Hello, Interface, LinkMeasured, NodeInfo
-from thunderpool.cluster.state import ClusterState, apply
+from thunderpool.cluster.control.coordinator import ring_hostfile, ring_port_base
+from thunderpool.cluster.control.jaccl import jaccl_config
+from thunderpool.cluster.control.messages import Hello, Interface, LinkMeasured, NodeInfo
+from thunderpool.cluster.control.state import ClusterState, apply
+from thunderpool.launch.local import free_ports
 
 
 def mac(node_id: str, links: dict[str, tuple[str, str]], rdma: bool = True) -> NodeInfo:
@@ -100,7 +100,7 @@ def test_no_jaccl_without_rdma_on_every_pair():
 
 
 def test_ranks_sharing_a_machine_get_their_own_cores():
-    from thunderpool.cluster.coordinator import core_assignment
+    from thunderpool.cluster.control.coordinator import core_assignment
 
     state = cluster()
     boxes = {"a": "box1", "b": "box1", "c": "box2"}

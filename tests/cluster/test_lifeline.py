@@ -1,5 +1,5 @@
 """Ranks never outlive their parent, on every OS (issue 25 item 8): the portable lifeline
-(cluster/lifeline.py) proven with Linux's PR_SET_PDEATHSIG turned off, so that it works alone
+(launch/lifeline.py) proven with Linux's PR_SET_PDEATHSIG turned off, so that it works alone
 as it must on macOS. The parent (tests/lifeline_parent.py) is `generate`, `serve`, a local
 launcher of idle serving ranks (ring, and mpirun where the ranks are its grandchildren), or an
 agent's RankManager; the test SIGKILLs it and every rank (and mpirun) must be gone within 5 s.
@@ -20,7 +20,7 @@ import pytest
 from procs import alive, workers_under
 from serving import free_port
 
-from thunderpool.cluster.lifeline import LIFELINE_ENV, Lifeline, hold, open_fifo
+from thunderpool.launch.lifeline import LIFELINE_ENV, Lifeline, hold, open_fifo
 
 PARENT = Path(__file__).parent.parent / "lifeline_parent.py"
 NO_MPI = pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (openmpi-bin)")
@@ -29,7 +29,7 @@ GONE_S = 5.0
 # A stand-in rank: holds the lifeline named in its environment (as thunderpool.rank does).
 HOLDER = """
 import time
-from thunderpool.cluster.lifeline import hold
+from thunderpool.launch.lifeline import hold
 from thunderpool.config import lifeline_fd
 hold(lifeline_fd())
 print("holding", flush=True)
@@ -68,7 +68,7 @@ def test_a_fifo_lifeline_reaches_a_process_that_inherits_nothing(tmp_path):
     """mpirun passes no files to its ranks: they open the launcher's FIFO by its path."""
     line = Lifeline()
     fifo = line.fifo(tmp_path / "lifeline")
-    boot = f"import os; from thunderpool.cluster.lifeline import open_fifo; fd = open_fifo({str(fifo)!r}); os.environ[{LIFELINE_ENV!r}] = str(fd); os.execv({sys.executable!r}, [{sys.executable!r}, '-c', {HOLDER!r}])"  # noqa: E501
+    boot = f"import os; from thunderpool.launch.lifeline import open_fifo; fd = open_fifo({str(fifo)!r}); os.environ[{LIFELINE_ENV!r}] = str(fd); os.execv({sys.executable!r}, [{sys.executable!r}, '-c', {HOLDER!r}])"  # noqa: E501
     proc = subprocess.Popen([sys.executable, "-c", boot], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "holding\n"

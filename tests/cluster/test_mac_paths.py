@@ -12,12 +12,12 @@ import pytest
 from recorded.replay import Replay
 
 from thunderpool import cores
-from thunderpool.cluster import lifeline, mpi
-from thunderpool.cluster.blas import in_use
-from thunderpool.cluster.launch import LocalInstance
 from thunderpool.engine import rowsplit
+from thunderpool.engine.blas import in_use
 from thunderpool.engine.job import GenerateTask, RankJob
 from thunderpool.errors import LaunchError
+from thunderpool.launch import lifeline, mpi
+from thunderpool.launch.local import LocalInstance
 
 
 def test_a_metal_rank_multiplies_on_metal_not_accelerate():

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import mlx.core as mx
 from recorded.replay import RECORDED, Replay
 
-from thunderpool.cluster import metal
-from thunderpool.cluster.capabilities import node_info
-from thunderpool.cluster.cli import budget_line
+from thunderpool.cli.cluster import budget_line
+from thunderpool.cli.simulate import budget_line as simulate_budget_line
+from thunderpool.cluster.node import metal
+from thunderpool.cluster.node.capabilities import node_info
 from thunderpool.engine import loader, serve
 from thunderpool.planner.presets import parse_cluster
-from thunderpool.planner.simulate import budget_line as simulate_budget_line
 
 GiB, MiB = 2**30, 2**20
 RECOMMENDED = 103079215104  # the recorded max_recommended_working_set_size: 96 GiB

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from procs import listening, workers_under
 
-from thunderpool.cluster.client import AgentError
-from thunderpool.cluster.coordinator import ClusterInstance, Coordinator
+from thunderpool.cluster.control.client import AgentError
+from thunderpool.cluster.control.coordinator import ClusterInstance, Coordinator
 from thunderpool.engine.job import RankJob, ServeTask
 
 TOKEN = "shutdown-token-123"

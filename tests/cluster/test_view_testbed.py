@@ -17,8 +17,8 @@ import pytest
 from testbed import AGENT_PORT as PORT
 from testbed import Testbed, available, cluster_serve, node_cmd, wait_until
 
-from thunderpool.cluster.client import AgentError
-from thunderpool.cluster.coordinator import Coordinator
+from thunderpool.cluster.control.client import AgentError
+from thunderpool.cluster.control.coordinator import Coordinator
 
 pytestmark = [
     pytest.mark.cluster,

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from thunderpool.cluster.launch import LocalInstance
 from thunderpool.engine.job import RankJob, TraceTask
 from thunderpool.errors import LaunchError
+from thunderpool.launch.local import LocalInstance
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

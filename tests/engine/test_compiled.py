@@ -27,10 +27,10 @@ import pytest
 from compiled_ranks import PHASES, WINDOWS, compare, fused
 from families import make_family
 
-from thunderpool.cluster.launch import free_ports
 from thunderpool.engine import compiled
 from thunderpool.engine.loader import Layout, load_shard
 from thunderpool.engine.runner import Runner
+from thunderpool.launch.local import free_ports
 
 TOL = 1e-5
 PROVEN = ("llama", "qwen2", "qwen3", "qwen3_moe")

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from families import make_family
 
-from thunderpool.cluster.blas import CANDIDATES
 from thunderpool.engine import rowsplit
+from thunderpool.launch.blas import CANDIDATES
 
 BLIS = next((p for p in CANDIDATES if "blis" in p and Path(p).is_file()), None)
 

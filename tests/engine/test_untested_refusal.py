@@ -15,9 +15,8 @@ from conftest import TINY, TOKENIZER_FILES
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 
-import thunderpool.cluster.mpi as mpi
-from thunderpool import commands
-from thunderpool.cli import main
+import thunderpool.launch.mpi as mpi
+from thunderpool.cli import commands, main
 from thunderpool.models import families
 
 # Gemma 3 (text): verified for no sharded layout yet; 4 layers cut sliding/full at 2.

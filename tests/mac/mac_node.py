@@ -26,7 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 from recorded.replay import Replay  # noqa: E402
 
-from thunderpool.cluster import capabilities, ranks  # noqa: E402
+from thunderpool.cluster.control import ranks  # noqa: E402
+from thunderpool.cluster.node import capabilities  # noqa: E402
 
 COORDINATOR_WAIT_S = 30.0
 
@@ -118,7 +119,7 @@ def main() -> None:
 
     capabilities.node_info = node_info
     ranks._spawn = spawn
-    from thunderpool.cluster import node
+    from thunderpool.cli import node
 
     node.REFRESH_S = float(os.environ.get("MAC_NODE_REFRESH_S", node.REFRESH_S))
     import thunderpool

@@ -21,8 +21,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from thunderpool.cluster.messages import ThunderboltPort
-from thunderpool.cluster.thunderbolt import Cable, cable_addresses, cables
+from thunderpool.cluster.control.messages import ThunderboltPort
+from thunderpool.cluster.node.thunderbolt import Cable, cable_addresses, cables
 
 RECORDED = Path(__file__).with_name("recorded")
 PORTS = 6  # Mac Studio (M3 Ultra): six Thunderbolt 5 receptacles, "Thunderbolt 1".."6"
@@ -73,7 +73,7 @@ class Scene:
         return {k: (ip, 30) for k, ip in cable_addresses(self.cables()).items()}
 
     def cables(self) -> list[Cable]:
-        """The cables as cluster/thunderbolt.py finds them from the ports alone."""
+        """The cables as cluster/node/thunderbolt.py finds them from the ports alone."""
 
         class _Node:  # just the ports, which is all cables() reads
             def __init__(self, ports):

@@ -18,11 +18,11 @@ import pytest
 from cluster.recorded.replay import Replay
 from macs import SCENES, Scene, platform_uuid, write
 
-from thunderpool.cluster.capabilities import node_info
-from thunderpool.cluster.jaccl import jaccl_config, pick_coordinator
-from thunderpool.cluster.messages import Hello, NodeInfo
-from thunderpool.cluster.state import ClusterState, apply
-from thunderpool.cluster.thunderbolt import cable_addresses, cables, reaches, route
+from thunderpool.cluster.control.jaccl import jaccl_config, pick_coordinator
+from thunderpool.cluster.control.messages import Hello, NodeInfo
+from thunderpool.cluster.control.state import ClusterState, apply
+from thunderpool.cluster.node.capabilities import node_info
+from thunderpool.cluster.node.thunderbolt import cable_addresses, cables, reaches, route
 from thunderpool.errors import LaunchError
 
 config = pytest.importorskip("mlx._distributed_utils.config")
@@ -186,8 +186,8 @@ def test_two_identical_macs_pool_their_memory_for_a_model_larger_than_one(tmp_pa
     holds) is placed on both; were they one machine, as the build UUID said, nothing fits."""
     from macs import KERNEL_BUILD_UUID
 
-    from thunderpool.cluster.coordinator import node_specs
-    from thunderpool.cluster.messages import LinkMeasured
+    from thunderpool.cluster.control.coordinator import node_specs
+    from thunderpool.cluster.control.messages import LinkMeasured
     from thunderpool.planner.placement import PlacementError, place
     from thunderpool.planner.simulate import load_model
 

@@ -15,19 +15,19 @@ from cluster.recorded.replay import Replay
 from macs import KERNEL_BUILD_UUID, SCENES, Scene, mesh, write
 
 from thunderpool import __version__
-from thunderpool.cluster.capabilities import node_info
-from thunderpool.cluster.checks import Check
-from thunderpool.cluster.doctor_cli import add_doctor_parser, run_doctor
-from thunderpool.cluster.doctor_fix import apply_fixes
-from thunderpool.cluster.doctor_rdma import (
+from thunderpool.cli.doctor import add_doctor_parser, run_doctor
+from thunderpool.cluster.control.messages import NodeInfo
+from thunderpool.cluster.node.capabilities import node_info
+from thunderpool.cluster.node.checks import Check
+from thunderpool.cluster.node.doctor_fix import apply_fixes
+from thunderpool.cluster.node.doctor_rdma import (
     check_host_ids,
     check_jaccl,
     check_mesh,
     cluster_nodes,
     planned_ends,
 )
-from thunderpool.cluster.messages import NodeInfo
-from thunderpool.cluster.thunderbolt import cable_addresses, cables
+from thunderpool.cluster.node.thunderbolt import cable_addresses, cables
 
 MEMORY = 549755813888  # the scenes' Mac Studios: 512 GiB
 FULL_LIMIT = (MEMORY - 8 * 10**9) // 2**20  # what --fix sets: memory less the OS reserve

@@ -18,9 +18,9 @@ from macs import SCENES, platform_uuid
 from testbed import AGENT_PORT as PORT  # tests/cluster, on the path once mac_testbed is in
 from testbed import available, wait_until
 
-from thunderpool.cluster.client import AgentError
-from thunderpool.cluster.coordinator import ClusterInstance, Coordinator
-from thunderpool.cluster.jaccl import jaccl_config
+from thunderpool.cluster.control.client import AgentError
+from thunderpool.cluster.control.coordinator import ClusterInstance, Coordinator
+from thunderpool.cluster.control.jaccl import jaccl_config
 from thunderpool.engine.job import RankJob, TraceTask
 
 pytestmark = [

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import run_trace, tiny_prompts
 
-from thunderpool.cluster.blas import blas_env, core_type, installed, passes_self_test
+from thunderpool.launch.blas import blas_env, core_type, installed, passes_self_test
 
 
 def test_core_type_from_cpu_flags():

@@ -187,9 +187,9 @@ def test_a_lost_stage_stops_every_world(tiny_models, tmp_path):
     import os
     import signal
 
-    from thunderpool.cluster.launch import LocalInstance
     from thunderpool.engine.job import RankJob, TraceTask
     from thunderpool.errors import LaunchError
+    from thunderpool.launch.local import LocalInstance
 
     task = TraceTask(prompts=(tuple(PROMPTS[0]),), max_tokens=5000, out=str(tmp_path / "t.npz"))
     job = RankJob(

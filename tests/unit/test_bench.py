@@ -229,15 +229,13 @@ def test_run_bench_on_tiny_llama(tiny_models, tmp_path):
 
 def test_cluster_bench_runs_the_synthetic_model(monkeypatch, tmp_path, capsys):
     """`bench --cluster --synthetic 1b` plans and runs the synthetic checkpoint, not SmolLM2."""
-    import thunderpool.bench.accuracy as accuracy
     import thunderpool.bench.synthetic as synthetic
-    from thunderpool import commands
-    from thunderpool.cli import main
+    from thunderpool.cli import commands, main
 
     seen = {}
     monkeypatch.setattr(commands, "_same_blas_as_ranks", lambda: None)
     monkeypatch.setattr(synthetic, "synthetic_model", lambda name, console: tmp_path / name)
-    monkeypatch.setattr(accuracy, "planner_accuracy", lambda args: seen.update(m=args.model))
+    monkeypatch.setattr(commands, "_bench_accuracy", lambda args: seen.update(m=args.model))
     assert main(["bench", "--cluster", "--synthetic", "1b"]) == 0
     assert seen["m"] == str(tmp_path / "1b")
     assert main(["bench", "--cluster", "--synthetic", "1b", "--model", "x"]) == 2

@@ -16,7 +16,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from thunderpool.chat import ChatSession, add_chat_parser, repl
+from thunderpool.cli.chat import ChatSession, add_chat_parser, repl
 
 
 class FakeServer:

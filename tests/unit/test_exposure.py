@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from thunderpool.cli import main
+from thunderpool.cli.serve import check_exposure
 from thunderpool.errors import ThunderpoolError
-from thunderpool.serving.run import check_exposure
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])

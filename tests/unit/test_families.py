@@ -9,7 +9,7 @@ import mlx_lm.utils
 import pytest
 from rich.console import Console
 
-import thunderpool.cluster.cli as cluster_cli
+import thunderpool.cli.cluster as cluster_cli
 from thunderpool.cli import main
 from thunderpool.errors import ShardingError, ThunderpoolError, UnverifiedLayoutError
 from thunderpool.models import families

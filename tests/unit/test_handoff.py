@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from thunderpool.cluster.launch import free_ports
+from thunderpool.launch.local import free_ports
 from thunderpool.parallel.handoff import (
     HandoffError,
     Link,

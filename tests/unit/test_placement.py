@@ -149,7 +149,7 @@ def test_hybrid_tp_inside_rdma_groups_pp_between(spec):
 
 
 def test_hybrid_islands_of_fast_links_without_rdma(spec):
-    from thunderpool.cluster.coordinator import plan_layout
+    from thunderpool.cluster.control.coordinator import plan_layout
 
     nodes = [mac(n, avail_gib=9) for n in "abcd"]
     fast = [LinkSpec(a, b, 50e-6, 1.2e9, "ethernet") for a, b in ("ab", "cd")]

@@ -40,7 +40,7 @@ def test_ep_beside_tp_on_two_m3_ultras():
 
 
 def test_place_offers_ep_beside_tp_and_the_coordinator_runs_it():
-    from thunderpool.cluster.coordinator import plan_layout
+    from thunderpool.cluster.control.coordinator import plan_layout
     from thunderpool.planner.ep import ep_costs
     from thunderpool.planner.placement import _Needs, memory_use, place
 
@@ -157,8 +157,8 @@ def test_replicate_experts_reads_the_counts_next_to_the_model(tmp_path, capsys):
 
     from thunderpool.cli import main
     from thunderpool.errors import ModelError
-    from thunderpool.parallel.routing import ROUTING_FILE, RoutingCounts, expert_replicas
-    from thunderpool.planner.ep import plan_replicas
+    from thunderpool.parallel.routing import ROUTING_FILE, RoutingCounts
+    from thunderpool.planner.ep import expert_replicas, plan_replicas
 
     model_dir = make_tiny("qwen3_moe", tmp_path / "moe")
     with pytest.raises(ModelError, match="thunderpool route-counts --model"):
@@ -195,7 +195,7 @@ def test_replicate_experts_on_one_rank_is_refused(argv, capsys):
 def test_replicate_experts_on_two_ranks_or_a_planned_cluster_passes_the_check():
     from argparse import Namespace
 
-    from thunderpool.cli_flags import check_replication
+    from thunderpool.cli.flags import check_replication
 
     check_replication(Namespace(replicate_experts=1, nodes=None, cluster=False))  # 2 locally
     check_replication(Namespace(replicate_experts=1, nodes=2, cluster=False))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from thunderpool.cluster.messages import Hello, LinkMeasured, NodeInfo
-from thunderpool.cluster.state import ClusterState, apply
+from thunderpool.cluster.control.messages import Hello, LinkMeasured, NodeInfo
+from thunderpool.cluster.control.state import ClusterState, apply
 from thunderpool.engine.job import RankJob, TraceTask
 from thunderpool.serving.view import ClusterView
 

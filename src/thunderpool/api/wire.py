@@ -10,8 +10,8 @@ from typing import TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import Request
 
-from thunderpool.api.body import API_LIMIT, BodyError, read_body
 from thunderpool.api.errors import APIError, from_validation
+from thunderpool.body import API_LIMIT, BodyError, read_body
 
 R = TypeVar("R", bound=BaseModel)
 log = logging.getLogger("thunderpool.api")

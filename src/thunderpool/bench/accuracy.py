@@ -2,26 +2,28 @@
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 from rich.console import Console
 from rich.table import Table
 
-from thunderpool.cluster.cli import coordinator, measured_state, ranked_plans
-from thunderpool.cluster.coordinator import ClusterInstance, plan_layout
+from thunderpool.cluster.control.coordinator import ClusterInstance, Coordinator, plan_layout
+from thunderpool.cluster.control.state import ClusterState
 from thunderpool.engine.job import BenchTask, RankJob
 from thunderpool.models.families import warn_untested
 
 
-def planner_accuracy(args: argparse.Namespace, console: Console | None = None) -> list[dict]:
+def planner_accuracy(
+    coord: Coordinator,
+    state: ClusterState,
+    plans: list,
+    model: str,
+    task: BenchTask,
+    allow: bool = False,
+    console: Console | None = None,
+) -> list[dict]:
     """Run the best plan of each kind (single, tp, pp) and compare with its prediction."""
     console = console or Console()
-    coord = coordinator(args)
-    state = measured_state(coord)
-    args.context = args.prompt_tokens + args.max_tokens
-    plans = ranked_plans(args, state)
-    allow = getattr(args, "allow_untested", False)
     picked = {}
     for p in plans:
         if p.verified or allow:  # an unverified layout only with --allow-untested
@@ -32,10 +34,7 @@ def planner_accuracy(args: argparse.Namespace, console: Console | None = None) -
     names = {k: n.name for k, n in state.nodes.items()}
     rows = []
     for (kind, n), plan in sorted(picked.items()):
-        task = BenchTask(
-            prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, repeats=args.repeats
-        )
-        job = RankJob(model_dir=args.model or "", world_size=n, task=task, **plan_layout(plan))
+        job = RankJob(model_dir=model, world_size=n, task=task, **plan_layout(plan))
         bench = None
         with console.status(f"{kind} over {n} node(s)"):
             with ClusterInstance(coord, state, list(plan.nodes), job, timeout=600) as inst:

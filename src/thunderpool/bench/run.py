@@ -35,7 +35,7 @@ def bench_parallel(
     Hybrid (`groups`): one ring world per group, `nodes` ranks in all.
 
     `pin` pins each rank to one core (the launcher's default when there are enough cores);
-    backend "mpi" starts the ranks under mpirun (cluster/mpi.py) instead of MLX ring.
+    backend "mpi" starts the ranks under mpirun (launch/mpi.py) instead of MLX ring.
     """
     task = BenchTask(
         prompt_tokens=prompt_tokens,
@@ -54,7 +54,7 @@ def bench_parallel(
         expert_replicas=expert_replicas if parallel == "ep" and nodes > 1 else None,
         groups=groups if parallel == "hybrid" else None,
     )
-    from thunderpool.cluster.mpi import local_instance
+    from thunderpool.launch.mpi import local_instance
 
     bench: dict | None = None
     ranks: dict[int, dict] = {r: {"rank": r} for r in range(nodes)}

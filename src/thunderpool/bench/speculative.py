@@ -160,7 +160,7 @@ def run_spec_bench(
     """One instance per (ranks, mode) layout; prints a table, returns each leader's result."""
     from rich.table import Table
 
-    from thunderpool.cluster.mpi import local_instance
+    from thunderpool.launch.mpi import local_instance
 
     results = []
     for nodes, parallel in layouts:

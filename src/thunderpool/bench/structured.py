@@ -30,7 +30,7 @@ def _reexec_with_fast_blas() -> None:
     """Rank processes preload BLIS/OpenBLAS; this in-process bench does the same."""
     if os.environ.get(FAST_BLAS_MARK):
         return
-    from thunderpool.cluster.blas import fast_blas_env
+    from thunderpool.launch.blas import fast_blas_env
 
     env = {**os.environ, **fast_blas_env(), FAST_BLAS_MARK: "1"}
     argv = [sys.executable, "-m", "thunderpool.bench.structured", *sys.argv[1:]]

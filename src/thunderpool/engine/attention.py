@@ -4,7 +4,7 @@ A long prompt's prefill is mostly attention, and attention mostly the softmax's 
 x86 CPU build computes elementwise ops one value at a time (no SIMD there; ~12 ns per exp),
 numpy's vectorized exp is ~7x faster. So from MIN_SCORES scores on, q, k and v are evaluated
 and the products and the softmax run in numpy (its BLAS on one thread beside BLIS,
-cluster/blas.py), in place (docs/benchmarks.md §13: 4K-token prefill); below it, MLX ops.
+launch/blas.py), in place (docs/benchmarks.md §13: 4K-token prefill); below it, MLX ops.
 Either way each KV head's query heads are the rows of one product (as the compiled decode
 step does, fused.py). Everything else (other devices, CPUs and dtypes, quantized caches,
 attention sinks) keeps mlx-lm's call.

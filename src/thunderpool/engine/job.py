@@ -8,6 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from thunderpool.engine.sampling import SamplingParams
 
+# A rank's events for its launcher: stdout lines of this prefix and a JSON object.
+EVENT_PREFIX = "TPEV "
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -140,7 +140,7 @@ def read_config(model_dir: Path) -> dict:
     return config
 
 
-# Written last by cluster/transfer.py into a shard fetched over the fabric: the shard holds
+# Written last by cluster/weights/transfer.py into a shard fetched over the fabric: the shard holds
 # only one rank's tensors, some of them pre-sliced rows or columns ("slices").
 SHARD_MANIFEST = "thunderpool-shard.json"
 

@@ -71,8 +71,8 @@ def streams(n: int) -> list[mx.Stream]:
 
 @functools.cache
 def _blis() -> ctypes.CDLL | None:
-    """The BLIS this process multiplies with (a rank's preload, cluster/blas.py), if any."""
-    from thunderpool.cluster.blas import in_use
+    """The BLIS this process multiplies with (a rank's preload, launch/blas.py), if any."""
+    from thunderpool.engine.blas import in_use
 
     blas = in_use()
     if blas["blas"] != "BLIS" or blas["blas_path"] is None:

@@ -8,7 +8,7 @@ value can straddle two words (8 values fill 3 bytes at 3 bits), so only every 32
 Affine groups of 32, 64 and 128, mxfp4/mxfp8's 32 and nvfp4's 16 are all multiples of the
 word run, so in practice the step is the group size; the rule is kept general all the same.
 
-Pure arithmetic (no mlx): the loader (parallel/tensor.py), the fabric (cluster/shards.py)
+Pure arithmetic (no mlx): the loader (parallel/tensor.py), the fabric (cluster/weights/shards.py)
 and the planner use the same steps, so they cut at the same places.
 """
 

@@ -11,11 +11,14 @@ imbalance is a floor. An EP rank also reads the route mask on the host once per 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 
+from thunderpool.errors import ModelError
 from thunderpool.parallel.experts import route_holders, split_experts
 from thunderpool.planner import cost
 from thunderpool.planner.cost import LinkSpec, NodeSpec, Prediction, Stage
@@ -355,3 +358,34 @@ def ep_json(rows: list) -> list[dict]:
         }
         for p, e in rows
     ]
+
+
+def expert_replicas(
+    model_dir: Path,
+    world: int,
+    copies: int,
+    routing_file: str | Path | None = None,
+    weights: list[float] | None = None,
+    counts: list[int] | None = None,
+) -> tuple[tuple[int, int, int], ...]:
+    """--replicate-experts N: (layer, expert, rank) copies of each MoE layer's N hottest
+    experts, by the counts in `routing_file` (default: the JSON next to the model)."""
+    from thunderpool.parallel.experts import routed_experts
+    from thunderpool.parallel.routing import ROUTING_FILE, RoutingCounts
+
+    path = Path(routing_file) if routing_file else Path(model_dir) / ROUTING_FILE
+    if not path.is_file():
+        raise ModelError(
+            f"--replicate-experts needs routing counts and {path} does not exist; measure them "
+            f"with `thunderpool route-counts --model {model_dir}` or pass --routing FILE"
+        )
+    routing = RoutingCounts.read(path)
+    n = routed_experts(json.loads((Path(model_dir) / "config.json").read_text()))
+    if routing.experts != n:
+        raise ModelError(
+            f"{path} counts {routing.experts} experts but the model has {n}; measure this "
+            "model's routing with `thunderpool route-counts`"
+        )
+    shares = split_experts(n, list(weights or [1.0] * world), counts)
+    popularity = {i: routing.popularity(i) for i in routing.layers}
+    return plan_replicas(popularity, [s.e1 - s.e0 for s in shares], copies)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-from thunderpool.cluster.state import ClusterState
+from thunderpool.cluster.control.state import ClusterState
 from thunderpool.engine.loader import Layout, describe_layout
 
 GB = 1e9  # link bandwidth in GB/s, as `thunderpool status` prints it
@@ -27,7 +27,7 @@ class RankReport:
     rss_bytes: int | None = None
     peak_rss_bytes: int | None = None
     method: str | None = None
-    # "BLIS", "OpenBLAS", "Accelerate", "reference", or "Metal"/"CUDA" on a GPU (cluster/blas.py)
+    # "BLIS", "OpenBLAS", "Accelerate", "reference", or "Metal"/"CUDA" on a GPU (launch/blas.py)
     blas: str | None = None
     blas_path: str | None = None
     backend: str | None = None  # "ring", "jaccl", "mpi"; None for a single rank

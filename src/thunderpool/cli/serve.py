@@ -1,0 +1,264 @@
+"""`thunderpool serve`: the API and dashboard live in this process; the ranks come and go.
+
+The gateway (API side) is up before any rank loads, so /health shows load progress, and it
+stays up across a lost node while the supervisor replans and starts a new instance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import ipaddress
+import logging
+import secrets
+import sys
+import threading
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from thunderpool.errors import LaunchError, ThunderpoolError
+
+MEMBERS_EVERY_S = 2.0
+
+
+def check_exposure(host: str, api_key: str | None, insecure: bool) -> None:
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        raise ThunderpoolError(f"--host {host} is not an IP address; use e.g. 0.0.0.0") from None
+    if not loopback and not api_key and not insecure:
+        raise ThunderpoolError(
+            f"--host {host} exposes the API beyond this machine; pass --api-key KEY or set "
+            "$THUNDERPOOL_API_KEY (or --insecure to serve without one)"
+        )
+
+
+def serve_main(args: argparse.Namespace, console: Console) -> int:
+    from mlx_lm.utils import load_tokenizer
+
+    from thunderpool.cluster.control.remote_model import MARKER as REMOTE
+    from thunderpool.config import api_key_from_env
+    from thunderpool.engine.loader import read_config
+    from thunderpool.engine.service import EngineInfo
+    from thunderpool.launch.mpi import LOCAL_BACKENDS, SERVE_RING_REASON, resolve_backend
+    from thunderpool.models.families import guard
+    from thunderpool.models.source import resolve_model
+    from thunderpool.serving.gateway import Gateway
+    from thunderpool.serving.supervisor import Supervisor
+    from thunderpool.serving.view import ClusterView
+
+    api_key = args.api_key or api_key_from_env()
+    check_exposure(args.host, api_key, args.insecure)
+    # Hybrid: one MLX ring world per group (mpirun starts one world), joined by hand-offs.
+    groups = getattr(args, "groups", None)
+    backend = "ring" if groups else resolve_backend(args, args.nodes or 2, serving=True)
+    if args.cluster:  # config and tokenizer from a member when this machine lacks the model
+        from thunderpool.cli.cluster import coordinator
+        from thunderpool.cluster.control.remote_model import model_here_or_remote
+
+        model_dir = model_here_or_remote(args.model, lambda: coordinator(args))
+    else:
+        model_dir = resolve_model(args.model)
+    config = read_config(model_dir)
+    if not args.cluster:
+        guard(config, args.nodes or 2, args.parallel or "tp", args.allow_untested, console)
+    tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    limit = config.get("max_position_embeddings") or 4096
+    max_context = min(args.max_context or limit, limit)
+    # A model described by a member (remote_model.py): named as the user named it.
+    name = Path(args.model).name if (model_dir / REMOTE).is_file() else model_dir.name
+    # model_type names the family where tools are refused, and in Ollama's /api/show.
+    cluster = {"model": name, "model_type": str(config.get("model_type", ""))}
+    info = EngineInfo(name, max_context, int(time.time()), cluster)
+    if args.cluster:
+        plan, token, members = _cluster(args, name, max_context, console)
+    else:
+        token, members = secrets.token_urlsafe(24), None
+        plan = _local(args, backend, model_dir, name, max_context, token)
+        why = ""
+        if (
+            backend == "ring"
+            and getattr(args, "backend", "auto") == "auto"
+            and resolve_backend(args, args.nodes or 2) == "mpi"
+        ):
+            why = f" ({SERVE_RING_REASON})"
+        console.print(f"{args.nodes or 2} local ranks, {LOCAL_BACKENDS[backend]}{why}")
+    gateway = Gateway(info, tokenizer, token)
+    view = ClusterView(config)
+    supervisor = Supervisor(gateway, plan, console, on_event=_print_loaded(console), view=view)
+    url = _start_api(args, gateway, supervisor, api_key)
+    console.print(f"API and dashboard at {url} (loading {name}); Ctrl-C stops every rank")
+    if args.cluster:
+        from thunderpool.cli.cache import health_listener
+
+        plan.fetch_listeners.append(health_listener(gateway))  # /health while weights move
+    if members is not None:
+        threading.Thread(target=_watch_members, args=(gateway, members), daemon=True).start()
+    # What startup built (modules, tokenizer, app) lives as long as serve: out of the collector's
+    # reach, a full collection no longer holds the GIL for 60-170 ms mid-stream.
+    gc.collect()
+    gc.freeze()
+    try:
+        supervisor.run()
+    finally:
+        supervisor.stop()
+    return 0
+
+
+def _local(args, backend: str, model_dir: Path, name: str, max_context: int, token: str):
+    from thunderpool.cli.commands import draft_fields, kv_fields, replica_fields
+    from thunderpool.config import LINK_TOKEN_ENV
+    from thunderpool.engine.job import RankJob, ServeTask
+    from thunderpool.engine.loader import Layout, preflight
+    from thunderpool.launch.mpi import local_instance
+
+    nodes, parallel = args.nodes or 2, args.parallel or "tp"
+    expert_split = getattr(args, "expert_split", None)
+    replicas = replica_fields(args, model_dir, nodes)
+    groups = getattr(args, "groups", None)
+    layout = Layout(
+        parallel,
+        args.tp_weights,
+        args.layer_split,
+        expert_split,
+        groups=groups,
+        **replicas,
+        **kv_fields(args),
+    )
+    preflight(model_dir, nodes, layout)
+    job = RankJob(
+        model_dir=str(model_dir),
+        world_size=nodes,
+        parallel=parallel,
+        tp_weights=args.tp_weights,
+        layer_split=args.layer_split,
+        expert_split=expert_split,
+        **replicas,
+        groups=groups,
+        prefill_chunk=args.prefill_chunk,
+        compile=args.compile,
+        task=ServeTask(
+            model_name=name,
+            max_batch=args.max_batch,
+            max_context=max_context,
+            prefix_cache_bytes=prefix_cache_bytes(args),
+        ),
+        backend=backend,
+        **draft_fields(args),
+        **kv_fields(args),
+    )
+    # On one host a lost rank is restarted in the same layout; the token authenticates the
+    # gateway to the leader and reaches the ranks through their environment only.
+    return lambda first: local_instance(job, timeout=None, env={LINK_TOKEN_ENV: token})
+
+
+def _cluster(args, name: str, max_context: int, console: Console):
+    from thunderpool.cli.cluster import ClusterPlanner
+    from thunderpool.cli.commands import draft_fields, kv_fields
+    from thunderpool.engine.job import RankJob, ServeTask
+
+    def make_job(world: int, layout: dict, _model_dir: str | None = None) -> RankJob:
+        # Each node resolves the model as the user named it to its own copy.
+        return RankJob(
+            model_dir=args.model or "",
+            world_size=world,
+            prefill_chunk=args.prefill_chunk,
+            compile=args.compile,
+            task=ServeTask(
+                link_host="0.0.0.0",
+                model_name=name,
+                max_batch=args.max_batch,
+                max_context=max_context,
+                prefix_cache_bytes=prefix_cache_bytes(args),
+            ),
+            **layout,
+            **draft_fields(args),
+            **kv_fields(args),
+        )
+
+    planner = ClusterPlanner(args, make_job, None, console)
+    return planner, planner.coord.token, planner.members
+
+
+def prefix_cache_bytes(args) -> float:
+    gb = getattr(args, "prefix_cache_gb", 0.0) or 0.0
+    if gb < 0:
+        raise ThunderpoolError(f"--prefix-cache-gb {gb} is negative; use 0 to turn it off")
+    return gb * 2**30
+
+
+def _watch_members(gateway, members) -> None:
+    """Keep /v1/cluster's member list fresh: a node that comes back shows up, unused."""
+    while True:
+        try:
+            gateway.set_cluster(members=members())
+        except Exception:  # noqa: BLE001 - no seed answers right now; keep the last list
+            pass
+        time.sleep(MEMBERS_EVERY_S)
+
+
+def _print_loaded(console: Console):
+    """Per-rank lines on the terminal: what each rank runs on, then what it loaded (the
+    dashboard draws the progress bar)."""
+    from thunderpool.engine.blas import REFERENCE
+    from thunderpool.launch.blas import INSTALL
+
+    def show(ev) -> None:
+        e = ev.event
+        if e["kind"] == "runtime":
+            backend = f"{e['backend']} backend" if e.get("backend") else "no collectives"
+            where = f" ({e['blas_path']})" if e.get("blas_path") else ""
+            console.print(f"[dim]rank {ev.rank}: BLAS {e.get('blas')}{where}, {backend}[/]")
+            if e.get("blas") == REFERENCE:
+                console.print(
+                    f"[yellow]rank {ev.rank} runs the mlx wheel's reference BLAS, ~30x slower "
+                    f"at prefill; on Debian/Ubuntu: {INSTALL}[/]"
+                )
+        if e["kind"] == "loaded":
+            console.print(
+                f"[dim]rank {ev.rank}: layers {e['layers'][0]}-{e['layers'][1] - 1}, "
+                f"{e['param_bytes'] / 2**20:,.1f} MiB of weights in {e['seconds']:.1f} s[/]"
+            )
+
+    return show
+
+
+def _log_requests() -> None:
+    """The access log (api/observe.py) to stderr, one line per request."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    access = logging.getLogger("thunderpool.access")
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False
+
+
+def _start_api(args, gateway, supervisor, api_key: str | None) -> str:
+    import uvicorn
+
+    from thunderpool.api.dashboard import mount_dashboard
+    from thunderpool.api.routes import create_app
+    from thunderpool.serving.admin import mount_admin
+
+    _log_requests()
+    app = create_app(
+        gateway, api_key=api_key, log_prompts=args.log_prompts, cors_origins=args.cors_origin
+    )
+    mount_admin(app, supervisor, api_key)
+    mount_dashboard(app)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    )
+    thread = threading.Thread(target=server.run, name="api", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise LaunchError(
+                f"cannot listen on {args.host}:{args.port} (in use or not an address of this "
+                "host); pass another --port or --host"
+            )
+        time.sleep(0.02)
+    return f"http://{args.host}:{args.port}"

@@ -1,0 +1,91 @@
+"""MLX jaccl (RDMA over Thunderbolt) settings for one world of ranks, as `mlx.launch` sets them.
+
+MLX_IBV_DEVICES names, for every ordered pair of ranks, the RDMA device of the cable between
+them (cluster/node/thunderbolt.py); MLX_JACCL_COORDINATOR is an address of rank 0 that every rank
+can route to: its LAN address where it has one (mlx.launch takes rank 0's en0), never a
+cable's /30, which only the Mac at the cable's other end reaches. The coordinator's address is
+checked from every rank's node before launch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from thunderpool.cluster.control.client import AgentClient, AgentError
+from thunderpool.cluster.control.messages import ProbeRequest
+from thunderpool.cluster.control.state import ClusterState
+from thunderpool.cluster.node.thunderbolt import RdmaPlan, coordinator_candidates, rdma_plan
+from thunderpool.errors import LaunchError
+
+
+@dataclass(frozen=True, slots=True)
+class JacclConfig:
+    devices: list  # MLX_IBV_DEVICES
+    ring: bool  # MLX_JACCL_RING: only neighbouring ranks are cabled
+    candidates: tuple[str, ...]  # rank 0's addresses for the coordinator, best first
+    port: int
+
+    @property
+    def coordinator(self) -> str:
+        return f"{self.candidates[0]}:{self.port}"
+
+    def files(self) -> dict[str, str]:
+        return {"MLX_IBV_DEVICES": json.dumps(self.devices)}
+
+    def env(self, coordinator: str | None = None) -> dict[str, str]:
+        env = {"MLX_JACCL_COORDINATOR": coordinator or self.coordinator}
+        return env | ({"MLX_JACCL_RING": "1"} if self.ring else {})
+
+
+def jaccl_config(state: ClusterState, order: list[str], port: int) -> JacclConfig | None:
+    """jaccl settings where every rank's node runs jaccl and every pair of ranks (or, in ring
+    mode, every pair of neighbours) has a Thunderbolt cable with an RDMA device; else None
+    (the world runs `ring` over TCP)."""
+    if len(order) < 2 or len(set(order)) < len(order):
+        return None
+    if not all("jaccl" in state.nodes[n].backends for n in order):
+        return None
+    plan = rdma_plan([state.nodes[n] for n in order])
+    if not isinstance(plan, RdmaPlan):
+        return None
+    contact = state.contacts[order[0]].rsplit(":", 1)[0]
+    candidates = coordinator_candidates(state.nodes[order[0]], contact)
+    return JacclConfig(plan.devices, plan.ring, tuple(candidates), port)
+
+
+Reach = Callable[[str, str, int], bool]  # (node, address, port) -> whether node connects
+
+
+def agents_reach(state: ClusterState, token: str) -> Reach:
+    """Ask each node's agent to open a connection (its `/v1/reach`)."""
+
+    def reach(node: str, address: str, port: int) -> bool:
+        req = ProbeRequest(peer=node, address=address, port=port)
+        try:
+            AgentClient(state.contacts[node], token).call("POST", "/v1/reach", req, timeout=5)
+            return True
+        except AgentError:
+            return False
+
+    return reach
+
+
+def pick_coordinator(state: ClusterState, order: list[str], cfg: JacclConfig, reach: Reach) -> str:
+    """The first of rank 0's candidate addresses that every other rank's node connects to
+    (rank 0's agent probe port stands in for the coordinator's), as host:port."""
+    leader = state.nodes[order[0]]
+    others = sorted(set(order[1:]))
+    for address in cfg.candidates:
+        with ThreadPoolExecutor(len(others)) as pool:
+            ok = list(pool.map(lambda n, a=address: reach(n, a, leader.port + 1), others))
+        if all(ok):
+            return f"{address}:{cfg.port}"
+    names = ", ".join(state.nodes[n].name for n in others)
+    raise LaunchError(
+        f"no address of {leader.name} (rank 0: {', '.join(cfg.candidates)}) is reachable from "
+        f"every other rank's node ({names}); jaccl's coordinator must be: join every Mac to one "
+        "LAN (Ethernet or Wi-Fi) as well as the Thunderbolt cables"
+    )
