@@ -81,10 +81,14 @@ def run(job: RankJob) -> None:
             serve(job, task, group, layout, emit, progress)
         case BenchTask() as task:
             from thunderpool.bench.engine_bench import bench_leader
+            from thunderpool.bench.speculative import bench_spec_leader
             from thunderpool.engine import oneshot
 
             def lead(engine) -> None:
-                bench_leader(engine, task, group, emit, Path(job.model_dir))
+                if engine.executor.drafter is not None:
+                    bench_spec_leader(engine, task, emit)
+                else:
+                    bench_leader(engine, task, group, emit, Path(job.model_dir))
 
             oneshot.run(job, group, layout, emit, progress, lead)
         case _:

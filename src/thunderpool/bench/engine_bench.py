@@ -131,11 +131,8 @@ def run_ours(engine: Engine, prompt: list[int], max_tokens: int, meter=None) -> 
 def bench_leader(
     engine: Engine, task: BenchTask, group: mx.distributed.Group, emit, model_dir: Path
 ) -> None:
-    """Time `task.repeats` generations, split a decode step, emit one "bench" event."""
-    if engine.executor.drafter is not None:
-        from thunderpool.bench.speculative import bench_spec_leader
-
-        return bench_spec_leader(engine, task, emit)
+    """Time `task.repeats` generations, split a decode step, emit one "bench" event (without a
+    draft: bench/speculative.py's bench_spec_leader times speculation)."""
     # Hybrid: the ranks of every stage's world (HybridControl.size), not stage 0's alone.
     model, size = engine.runner.model, engine.control.size
     vocab, hidden = model_dims(model)

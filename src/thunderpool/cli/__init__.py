@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     from thunderpool.cli.chat import add_chat_parser
-    from thunderpool.cli.cluster import add_cluster_args, add_plan_parser
+    from thunderpool.cli.cluster import add_plan_parser
+    from thunderpool.cli.connect import add_cluster_args
     from thunderpool.cli.node import add_node_parser
     from thunderpool.cli.simulate import add_simulate_parser
 
@@ -243,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead, run the planner's best plans on the cluster and compare "
         "predicted with measured decode tok/s",
     )
-    from thunderpool.cli.cluster import add_cluster_args as _cluster_args
+    from thunderpool.cli.connect import add_cluster_args as _cluster_args
 
     _cluster_args(bench)
     add_allow_untested(bench)

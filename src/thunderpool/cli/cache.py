@@ -24,7 +24,7 @@ from thunderpool.cluster.weights.routes import RemoveShards
 
 
 def add_cache_parser(sub) -> None:
-    from thunderpool.cli.cluster import add_cluster_args
+    from thunderpool.cli.connect import add_cluster_args
 
     p = sub.add_parser(
         "cache", help="the model shards each node received over the fabric: list or remove"
@@ -65,7 +65,7 @@ def shards_table(coord, state: ClusterState) -> Table:
 
 
 def cache_main(args: argparse.Namespace) -> int:
-    from thunderpool.cli.cluster import coordinator
+    from thunderpool.cli.connect import coordinator
 
     coord = coordinator(args)
     state = coord.discover()

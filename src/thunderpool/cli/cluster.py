@@ -7,9 +7,10 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
+from thunderpool.cli.connect import add_cluster_args, coordinator, measured_state
+from thunderpool.cli.jobs import prefix_cache_bytes
 from thunderpool.cluster.control.coordinator import (
     ClusterInstance,
-    Coordinator,
     node_specs,
     plan_layout,
 )
@@ -17,36 +18,6 @@ from thunderpool.cluster.control.state import ClusterState
 from thunderpool.errors import ThunderpoolError
 
 GB = 1e9
-
-
-def add_cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--join",
-        action="append",
-        default=[],
-        metavar="HOST:PORT",
-        help="any node of the cluster (default 127.0.0.1:7070, this machine's agent)",
-    )
-    p.add_argument("--token", help="cluster token (else $THUNDERPOOL_TOKEN or this machine's)")
-
-
-def coordinator(args: argparse.Namespace) -> Coordinator:
-    from thunderpool.cluster.control.auth import load_identity
-    from thunderpool.config import state_dir, token_from_env
-
-    token = args.token or token_from_env()
-    if token is None and (state_dir() / "identity.json").is_file():
-        token = load_identity().token
-    if token is None:
-        raise ThunderpoolError(
-            "no cluster token: pass --token (printed by the first "
-            "`thunderpool node`) or set $THUNDERPOOL_TOKEN"
-        )
-    return Coordinator(args.join or ["127.0.0.1:7070"], token)
-
-
-def measured_state(coord: Coordinator) -> ClusterState:
-    return coord.probe(coord.discover())
 
 
 def status_main(args: argparse.Namespace) -> int:
@@ -143,7 +114,7 @@ def ranked_plans(args: argparse.Namespace, state: ClusterState):
         context_tokens=getattr(args, "context", 4096),
         kv_dtype_bytes=kv_element_bytes(2.0, getattr(args, "kv_bits", None), _group(args)),
         concurrency=concurrency if isinstance(concurrency, int) else 1,
-        prefix_cache_bytes=(getattr(args, "prefix_cache_gb", 0.0) or 0.0) * 2**30,
+        prefix_cache_bytes=prefix_cache_bytes(args),
         routing={i: routing.popularity(i) for i in routing.layers} if routing else None,
         # Priced as CPU ranks run it (unset: on for CPU ranks, engine/compiled.py: wanted).
         compiled=getattr(args, "compile", True) is not False,

@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from thunderpool.cli.jobs import local_layout, rank_job, replica_fields
 from thunderpool.errors import ThunderpoolError
 from thunderpool.progress import LoadBar
 
@@ -19,7 +20,6 @@ def _mib(n: int | float) -> str:
 
 def _instance(args: argparse.Namespace, make_job, timeout: float | None):
     """Local ranks on this host, or the planned ranks across the cluster (--cluster)."""
-    from thunderpool.engine.loader import Layout, preflight
     from thunderpool.launch.mpi import local_instance, resolve_backend
     from thunderpool.models.families import guard
     from thunderpool.models.source import resolve_model
@@ -32,71 +32,15 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
         from thunderpool.cli.cluster import cluster_instance
 
         return cluster_instance(args, make_job, timeout), args.model or "SmolLM2-135M-Instruct"
-    parallel = args.parallel or "tp"
     model_dir = resolve_model(args.model)
-    expert_split = getattr(args, "expert_split", None)
-    replicas = replica_fields(args, model_dir, nodes)
-    layout = Layout(
-        parallel,
-        args.tp_weights,
-        args.layer_split,
-        expert_split,
-        groups=groups,
-        **replicas,
-        **kv_fields(args),
-    )
-    config = preflight(model_dir, nodes, layout)
-    guard(config, nodes, parallel, args.allow_untested)
+    fields, config = local_layout(args, model_dir, nodes)
+    guard(config, nodes, fields["parallel"], args.allow_untested)
     if getattr(args, "draft_model", None) == "mtp":
         from thunderpool.engine.mtp import check_mtp_files
 
         check_mtp_files(model_dir, config)
-    fields = {"parallel": parallel, "tp_weights": args.tp_weights, "layer_split": args.layer_split}
-    if expert_split:
-        fields["expert_split"] = expert_split
-    fields.update(replicas)
-    if groups:
-        fields["groups"] = tuple(groups)
-    job = make_job(nodes, fields, str(model_dir))
-    job = job.model_copy(update={"backend": backend})
+    job = make_job(nodes, {**fields, "backend": backend}, str(model_dir))
     return local_instance(job, timeout=timeout), model_dir.name
-
-
-def replica_fields(args: argparse.Namespace, model_dir: Path, nodes: int) -> dict:
-    """{"expert_replicas": ...} for --replicate-experts on `nodes` EP ranks, else {}."""
-    copies = getattr(args, "replicate_experts", None)
-    if not copies or nodes < 2:
-        return {}
-    from thunderpool.planner.ep import expert_replicas
-
-    split = getattr(args, "expert_split", None)
-    replicas = expert_replicas(
-        model_dir, nodes, copies, args.routing, args.tp_weights, list(split) if split else None
-    )
-    return {"expert_replicas": replicas}
-
-
-def kv_fields(args: argparse.Namespace) -> dict:
-    """RankJob fields of --kv-bits/--kv-group-size (every rank quantizes its KV cache alike)."""
-    bits = getattr(args, "kv_bits", None)
-    if bits is None:
-        return {}
-    return {"kv_bits": bits, "kv_group_size": args.kv_group_size}
-
-
-def draft_fields(args: argparse.Namespace) -> dict:
-    """RankJob fields of --draft-model/--spec-k (speculative decoding). Resolved here for local
-    ranks; with --cluster it travels as named, and the leader's node resolves it to its own
-    copy (the coordinator checks first that it has one: fabric.check_draft)."""
-    if not getattr(args, "draft_model", None):
-        return {}
-    if args.draft_model == "mtp":  # the model's own multi-token-prediction layer (engine/mtp.py)
-        return {"draft_model": "mtp", "spec_k": args.spec_k}
-    if getattr(args, "cluster", False):
-        return {"draft_model": args.draft_model, "spec_k": args.spec_k}
-    from thunderpool.models.source import resolve_model
-
-    return {"draft_model": str(resolve_model(args.draft_model)), "spec_k": args.spec_k}
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -118,16 +62,7 @@ def generate(args: argparse.Namespace) -> int:
     task = GenerateTask(prompt=args.prompt, chat=not args.raw, sampling=sampling)
 
     def make_job(world: int, layout: dict, model_dir: str | None = None) -> RankJob:
-        return RankJob(
-            model_dir=model_dir or args.model or "",
-            world_size=world,
-            task=task,
-            prefill_chunk=args.prefill_chunk,
-            compile=args.compile,
-            **layout,
-            **draft_fields(args),
-            **kv_fields(args),
-        )
+        return rank_job(args, task, world, layout, model_dir or args.model or "")
 
     instance, name = _instance(args, make_job, args.timeout)
     world = instance.job.world_size

@@ -68,7 +68,7 @@ def add_layout(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run on the cluster's nodes (see `thunderpool node`) as planned",
     )
-    from thunderpool.cli.cluster import add_cluster_args
+    from thunderpool.cli.connect import add_cluster_args
 
     add_cluster_args(p)
     p.add_argument("--layer-split", type=parse_ints, help="PP: per-rank layer weights, e.g. 20,10")

@@ -55,7 +55,7 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
     groups = getattr(args, "groups", None)
     backend = "ring" if groups else resolve_backend(args, args.nodes or 2, serving=True)
     if args.cluster:  # config and tokenizer from a member when this machine lacks the model
-        from thunderpool.cli.cluster import coordinator
+        from thunderpool.cli.connect import coordinator
         from thunderpool.cluster.control.remote_model import model_here_or_remote
 
         model_dir = model_here_or_remote(args.model, lambda: coordinator(args))
@@ -108,47 +108,20 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
 
 
 def _local(args, backend: str, model_dir: Path, name: str, max_context: int, token: str):
-    from thunderpool.cli.commands import draft_fields, kv_fields, replica_fields
+    from thunderpool.cli.jobs import local_layout, prefix_cache_bytes, rank_job
     from thunderpool.config import LINK_TOKEN_ENV
-    from thunderpool.engine.job import RankJob, ServeTask
-    from thunderpool.engine.loader import Layout, preflight
+    from thunderpool.engine.job import ServeTask
     from thunderpool.launch.mpi import local_instance
 
-    nodes, parallel = args.nodes or 2, args.parallel or "tp"
-    expert_split = getattr(args, "expert_split", None)
-    replicas = replica_fields(args, model_dir, nodes)
-    groups = getattr(args, "groups", None)
-    layout = Layout(
-        parallel,
-        args.tp_weights,
-        args.layer_split,
-        expert_split,
-        groups=groups,
-        **replicas,
-        **kv_fields(args),
+    nodes = args.nodes or 2
+    fields, _ = local_layout(args, model_dir, nodes)
+    task = ServeTask(
+        model_name=name,
+        max_batch=args.max_batch,
+        max_context=max_context,
+        prefix_cache_bytes=prefix_cache_bytes(args),
     )
-    preflight(model_dir, nodes, layout)
-    job = RankJob(
-        model_dir=str(model_dir),
-        world_size=nodes,
-        parallel=parallel,
-        tp_weights=args.tp_weights,
-        layer_split=args.layer_split,
-        expert_split=expert_split,
-        **replicas,
-        groups=groups,
-        prefill_chunk=args.prefill_chunk,
-        compile=args.compile,
-        task=ServeTask(
-            model_name=name,
-            max_batch=args.max_batch,
-            max_context=max_context,
-            prefix_cache_bytes=prefix_cache_bytes(args),
-        ),
-        backend=backend,
-        **draft_fields(args),
-        **kv_fields(args),
-    )
+    job = rank_job(args, task, nodes, {**fields, "backend": backend}, str(model_dir))
     # On one host a lost rank is restarted in the same layout; the token authenticates the
     # gateway to the leader and reaches the ranks through their environment only.
     return lambda first: local_instance(job, timeout=None, env={LINK_TOKEN_ENV: token})
@@ -156,37 +129,23 @@ def _local(args, backend: str, model_dir: Path, name: str, max_context: int, tok
 
 def _cluster(args, name: str, max_context: int, console: Console):
     from thunderpool.cli.cluster import ClusterPlanner
-    from thunderpool.cli.commands import draft_fields, kv_fields
-    from thunderpool.engine.job import RankJob, ServeTask
+    from thunderpool.cli.jobs import prefix_cache_bytes, rank_job
+    from thunderpool.engine.job import ServeTask
 
-    def make_job(world: int, layout: dict, _model_dir: str | None = None) -> RankJob:
+    task = ServeTask(
+        link_host="0.0.0.0",
+        model_name=name,
+        max_batch=args.max_batch,
+        max_context=max_context,
+        prefix_cache_bytes=prefix_cache_bytes(args),
+    )
+
+    def make_job(world: int, layout: dict, _model_dir: str | None = None):
         # Each node resolves the model as the user named it to its own copy.
-        return RankJob(
-            model_dir=args.model or "",
-            world_size=world,
-            prefill_chunk=args.prefill_chunk,
-            compile=args.compile,
-            task=ServeTask(
-                link_host="0.0.0.0",
-                model_name=name,
-                max_batch=args.max_batch,
-                max_context=max_context,
-                prefix_cache_bytes=prefix_cache_bytes(args),
-            ),
-            **layout,
-            **draft_fields(args),
-            **kv_fields(args),
-        )
+        return rank_job(args, task, world, layout, args.model or "")
 
     planner = ClusterPlanner(args, make_job, None, console)
     return planner, planner.coord.token, planner.members
-
-
-def prefix_cache_bytes(args) -> float:
-    gb = getattr(args, "prefix_cache_gb", 0.0) or 0.0
-    if gb < 0:
-        raise ThunderpoolError(f"--prefix-cache-gb {gb} is negative; use 0 to turn it off")
-    return gb * 2**30
 
 
 def _watch_members(gateway, members) -> None:

@@ -1,0 +1,100 @@
+"""The one place a command's arguments (and a plan's layout) become a RankJob."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from thunderpool.engine.job import RankJob, Task
+from thunderpool.errors import ThunderpoolError
+
+
+def rank_job(
+    args: argparse.Namespace, task: Task, world: int, layout: dict, model_dir: str
+) -> RankJob:
+    """A job of `world` ranks running `task`: the layout's fields (a plan's, or the flags'),
+    and what every command shares: prefill chunk, compile, speculation and the KV cache."""
+    return RankJob(
+        model_dir=model_dir,
+        world_size=world,
+        task=task,
+        prefill_chunk=args.prefill_chunk,
+        compile=args.compile,
+        **layout,
+        **draft_fields(args),
+        **kv_fields(args),
+    )
+
+
+def local_layout(args: argparse.Namespace, model_dir: Path, nodes: int) -> tuple[dict, dict]:
+    """The flags' layout of `nodes` ranks on this host, checked against the model before any
+    rank starts: (the RankJob's layout fields, the model's config)."""
+    from thunderpool.engine.loader import Layout, preflight
+
+    parallel = args.parallel or "tp"
+    expert_split = getattr(args, "expert_split", None)
+    groups = tuple(args.groups) if getattr(args, "groups", None) else None
+    replicas = replica_fields(args, model_dir, nodes)
+    layout = Layout(
+        parallel,
+        args.tp_weights,
+        args.layer_split,
+        expert_split,
+        groups=groups,
+        **replicas,
+        **kv_fields(args),
+    )
+    config = preflight(model_dir, nodes, layout)
+    fields = {
+        "parallel": parallel,
+        "tp_weights": args.tp_weights,
+        "layer_split": args.layer_split,
+        "expert_split": expert_split,
+        "groups": groups,
+        **replicas,
+    }
+    return fields, config
+
+
+def replica_fields(args: argparse.Namespace, model_dir: Path, nodes: int) -> dict:
+    """{"expert_replicas": ...} for --replicate-experts on `nodes` EP ranks, else {}."""
+    copies = getattr(args, "replicate_experts", None)
+    if not copies or nodes < 2:
+        return {}
+    from thunderpool.planner.ep import expert_replicas
+
+    split = getattr(args, "expert_split", None)
+    replicas = expert_replicas(
+        model_dir, nodes, copies, args.routing, args.tp_weights, list(split) if split else None
+    )
+    return {"expert_replicas": replicas}
+
+
+def kv_fields(args: argparse.Namespace) -> dict:
+    """RankJob fields of --kv-bits/--kv-group-size (every rank quantizes its KV cache alike)."""
+    bits = getattr(args, "kv_bits", None)
+    if bits is None:
+        return {}
+    return {"kv_bits": bits, "kv_group_size": args.kv_group_size}
+
+
+def draft_fields(args: argparse.Namespace) -> dict:
+    """RankJob fields of --draft-model/--spec-k (speculative decoding). Resolved here for local
+    ranks; with --cluster it travels as named, and the leader's node resolves it to its own
+    copy (the coordinator checks first that it has one: fabric.check_draft)."""
+    if not getattr(args, "draft_model", None):
+        return {}
+    if args.draft_model == "mtp":  # the model's own multi-token-prediction layer (engine/mtp.py)
+        return {"draft_model": "mtp", "spec_k": args.spec_k}
+    if getattr(args, "cluster", False):
+        return {"draft_model": args.draft_model, "spec_k": args.spec_k}
+    from thunderpool.models.source import resolve_model
+
+    return {"draft_model": str(resolve_model(args.draft_model)), "spec_k": args.spec_k}
+
+
+def prefix_cache_bytes(args) -> float:
+    gb = getattr(args, "prefix_cache_gb", 0.0) or 0.0
+    if gb < 0:
+        raise ThunderpoolError(f"--prefix-cache-gb {gb} is negative; use 0 to turn it off")
+    return gb * 2**30
