@@ -18,6 +18,7 @@ if __name__ == "__main__":  # this rank program, not a test importing it
 import gc
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,7 +27,6 @@ from batch_ranks import run_batch, run_mpi_ranks, run_ranks
 
 from thunderpool.engine import oneshot
 from thunderpool.engine.job import RankJob, TraceTask
-from thunderpool.engine.loader import Layout
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.launch.blas import fast_blas_env
 
@@ -52,16 +52,7 @@ def main(spec_path: str, out_path: str, stage: str = "0") -> None:
             events.append({"kind": "batch", "result": run_batch(item["batch"], group)})
         else:
             job = RankJob.model_validate(item["job"])
-            layout = Layout(
-                job.parallel,
-                job.tp_weights,
-                job.layer_split,
-                job.expert_split,
-                job.compile,
-                groups=job.groups,
-                stage=int(stage),
-                handoff=tuple(spec.get("handoff", ())),
-            )
+            layout = replace(job.layout, stage=int(stage), handoff=tuple(spec.get("handoff", ())))
             oneshot.run(job, group, layout, recorder(events), lambda fraction: None)
         gc.collect()  # the next job's shard replaces this one's
         mx.clear_cache()

@@ -17,13 +17,13 @@ if __name__ == "__main__":
 import json
 import os
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 
 from thunderpool.config import lifeline_fd
 from thunderpool.engine.job import EVENT_PREFIX, BenchTask, RankJob, ServeTask
-from thunderpool.engine.loader import Layout
 from thunderpool.errors import ThunderpoolError
 from thunderpool.launch.lifeline import hold
 
@@ -57,23 +57,10 @@ def run(job: RankJob) -> None:
     if group.size() != world:
         raise ThunderpoolError(f"MLX formed a group of {group.size()}, expected {world}")
     emit("runtime", **runtime(job))
-    layout = Layout(
-        job.parallel,
-        job.tp_weights,
-        job.layer_split,
-        job.expert_split,
-        job.compile,
-        # An MTP draft reads every prefill position's hidden state (engine/mtp.py).
-        every_position=job.draft_model == "mtp",
-        expert_replicas=job.expert_replicas,
-        groups=job.groups,
-        stage=job.stage,
-        handoff=job.handoff,
-        kv_bits=job.kv_bits,
-        kv_group_size=job.kv_group_size,
-    )
+    # An MTP draft reads every prefill position's hidden state (engine/mtp.py).
+    layout = replace(job.layout, every_position=job.draft_model == "mtp")
     # Hybrid: events name the global rank (stage by stage), as the launcher counts them.
-    progress = load_progress(group.rank() + sum((job.groups or ())[: job.stage]))
+    progress = load_progress(group.rank() + sum((layout.groups or ())[: layout.stage]))
     match job.task:
         case ServeTask() as task:
             from thunderpool.engine.serve import serve

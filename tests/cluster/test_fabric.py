@@ -183,7 +183,6 @@ def test_ep2_as_planned_fetches_only_its_experts_and_matches_one_rank(
 ):
     """The planner's EP plan, launched over the fabric: node b is sent its attention slices
     and only its own experts' tensors (per-expert checkpoint), and decodes as one rank does."""
-    from thunderpool.cluster.control.coordinator import plan_layout
     from thunderpool.planner.cost import LinkSpec, NodeSpec
     from thunderpool.planner.placement import place
     from thunderpool.planner.spec import model_spec
@@ -196,13 +195,13 @@ def test_ep2_as_planned_fetches_only_its_experts_and_matches_one_rank(
         for p in place(model_spec(model), nodes, [LinkSpec("a", "b", 1e-4, 1e9, "ethernet")])
         if p.kind == "ep"
     )
-    layout = plan_layout(plan)
-    assert layout["parallel"] == "ep" and layout["expert_split"] == (2, 2)
+    layout = plan.layout()
+    assert layout.parallel == "ep" and layout.expert_split == (2, 2)
     ref = one_rank_trace(model, tiny_prompts(2), 16)
     before = received(b)
     task = TraceTask(prompts=tuple(map(tuple, tiny_prompts(2))), max_tokens=16, out="")
     task = task.model_copy(update={"out": str(tmp_path / "ep.npz")})
-    job = RankJob(model_dir=str(model), world_size=2, task=task, **layout)
+    job = RankJob(model_dir=str(model), world_size=2, task=task, layout=layout)
     with ClusterInstance(coord, coord.discover(), list(plan.nodes), job, timeout=300) as inst:
         events = list(inst.events())
     got = np.load(tmp_path / "ep.npz")

@@ -216,7 +216,7 @@ def cluster_launch(monkeypatch, plans, **flags):
     )
     args = SimpleNamespace(**{"parallel": None, "nodes": None, "allow_untested": False, **flags})
     console = Console(record=True, width=300)
-    make_job = lambda world, layout: {"world": world, **layout}  # noqa: E731
+    make_job = lambda world, layout: {"world": world, "parallel": layout.parallel}  # noqa: E731
     job = cluster_cli.ClusterPlanner(args, make_job, None, console)(True)
     return job, console.export_text()
 

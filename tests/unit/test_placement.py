@@ -149,8 +149,6 @@ def test_hybrid_tp_inside_rdma_groups_pp_between(spec):
 
 
 def test_hybrid_islands_of_fast_links_without_rdma(spec):
-    from thunderpool.cluster.control.coordinator import plan_layout
-
     nodes = [mac(n, avail_gib=9) for n in "abcd"]
     fast = [LinkSpec(a, b, 50e-6, 1.2e9, "ethernet") for a, b in ("ab", "cd")]
     slow = [LinkSpec(a, b, 200e-6, 1e8, "ethernet") for a, b in ("ac", "ad", "bc", "bd")]
@@ -159,9 +157,9 @@ def test_hybrid_islands_of_fast_links_without_rdma(spec):
         (("a", "b"), ("c", "d")),
         (("c", "d"), ("a", "b")),
     }
-    layout = plan_layout(hybrid[0])
-    assert layout["parallel"] == "hybrid" and layout["groups"] == (2, 2)
-    assert sum(layout["layer_split"]) == spec.layers and len(layout["tp_weights"]) == 4
+    layout = hybrid[0].layout()
+    assert layout.parallel == "hybrid" and layout.groups == (2, 2)
+    assert sum(layout.layer_split) == spec.layers and len(layout.tp_weights) == 4
     # One class of links (all within ISLAND_RATIO of the slowest): no islands, no hybrid.
     even = [LinkSpec(a, b, 50e-6, 1e9, "ethernet") for a, b in ("ab", "cd", "ac", "ad", "bc", "bd")]
     assert all(p.kind != "hybrid" for p in place(spec, nodes, even))

@@ -40,7 +40,7 @@ def test_ep_beside_tp_on_two_m3_ultras():
 
 
 def test_place_offers_ep_beside_tp_and_the_coordinator_runs_it():
-    from thunderpool.cluster.control.coordinator import plan_layout
+    from thunderpool.parallel.layout import Layout
     from thunderpool.planner.ep import ep_costs
     from thunderpool.planner.placement import _Needs, memory_use, place
 
@@ -63,11 +63,7 @@ def test_place_offers_ep_beside_tp_and_the_coordinator_runs_it():
         128,
         128,
     )
-    assert plan_layout(ep) == {
-        "parallel": "ep",
-        "tp_weights": ep.stages[0].tp_weights,
-        "expert_split": (128, 128),
-    }
+    assert ep.layout() == Layout("ep", ep.stages[0].tp_weights, expert_split=(128, 128))
     # A dense model gets no EP plans.
     assert not any(p.kind == "ep" for p in place(load_model("qwen3-4b"), nodes, links))
 

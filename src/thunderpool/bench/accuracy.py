@@ -7,7 +7,7 @@ import statistics
 from rich.console import Console
 from rich.table import Table
 
-from thunderpool.cluster.control.coordinator import ClusterInstance, Coordinator, plan_layout
+from thunderpool.cluster.control.coordinator import ClusterInstance, Coordinator
 from thunderpool.cluster.control.state import ClusterState
 from thunderpool.engine.job import BenchTask, RankJob
 from thunderpool.models.families import warn_untested
@@ -34,7 +34,7 @@ def planner_accuracy(
     names = {k: n.name for k, n in state.nodes.items()}
     rows = []
     for (kind, n), plan in sorted(picked.items()):
-        job = RankJob(model_dir=model, world_size=n, task=task, **plan_layout(plan))
+        job = RankJob(model_dir=model, world_size=n, task=task, layout=plan.layout())
         bench = None
         with console.status(f"{kind} over {n} node(s)"):
             with ClusterInstance(coord, state, list(plan.nodes), job, timeout=600) as inst:

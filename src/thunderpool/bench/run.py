@@ -13,6 +13,7 @@ from pathlib import Path
 from thunderpool.bench.engine_bench import bench_single
 from thunderpool.engine.job import BenchTask, RankJob
 from thunderpool.errors import ThunderpoolError
+from thunderpool.parallel.layout import Layout
 
 
 def bench_parallel(
@@ -46,13 +47,15 @@ def bench_parallel(
     job = RankJob(
         model_dir=str(model_dir),
         world_size=nodes,
-        parallel=parallel,
         task=task,
         backend="mpi" if backend == "mpi" and nodes > 1 and not groups else "ring",
-        tp_weights=tp_weights if parallel in ("tp", "ep") and nodes > 1 else None,
-        compile=compile,
-        expert_replicas=expert_replicas if parallel == "ep" and nodes > 1 else None,
-        groups=groups if parallel == "hybrid" else None,
+        layout=Layout(
+            parallel,
+            tp_weights if parallel in ("tp", "ep") and nodes > 1 else None,
+            compile=compile,
+            expert_replicas=expert_replicas if parallel == "ep" and nodes > 1 else None,
+            groups=groups if parallel == "hybrid" else None,
+        ),
     )
     from thunderpool.launch.mpi import local_instance
 

@@ -22,6 +22,7 @@ from thunderpool.engine.engine import Engine
 from thunderpool.engine.job import BenchTask, RankJob
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.speculate import SpecStats
+from thunderpool.parallel.layout import Layout
 
 
 def bench_spec_leader(engine: Engine, task: BenchTask, emit) -> None:
@@ -167,7 +168,7 @@ def run_spec_bench(
         job = RankJob(
             model_dir=str(model_dir),
             world_size=nodes,
-            parallel=parallel,
+            layout=Layout(parallel),
             task=task,
             draft_model=str(draft_dir),
             spec_k=spec_k,

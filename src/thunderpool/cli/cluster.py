@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from rich.console import Console
 from rich.table import Table
@@ -12,7 +13,6 @@ from thunderpool.cli.jobs import prefix_cache_bytes
 from thunderpool.cluster.control.coordinator import (
     ClusterInstance,
     node_specs,
-    plan_layout,
 )
 from thunderpool.cluster.control.state import ClusterState
 from thunderpool.errors import ThunderpoolError
@@ -260,11 +260,11 @@ class ClusterPlanner:
             from thunderpool.models.families import warn_untested
 
             warn_untested(plan.unverified, self.console)
-        layout = plan_layout(plan)
-        if layout["parallel"] == "ep" and getattr(self.args, "expert_split", None):
-            layout["expert_split"] = _expert_split(self.args.expert_split, plan)
-        if layout["parallel"] == "ep" and getattr(self.args, "replicate_experts", None):
-            layout["expert_replicas"] = _replicas(self.args, layout["expert_split"])
+        layout = plan.layout()
+        if layout.parallel == "ep" and getattr(self.args, "expert_split", None):
+            layout = replace(layout, expert_split=_expert_split(self.args.expert_split, plan))
+        if layout.parallel == "ep" and getattr(self.args, "replicate_experts", None):
+            layout = replace(layout, expert_replicas=_replicas(self.args, layout.expert_split))
         job = self.make_job(len(plan.nodes), layout)
         names = [state.nodes[n].name for n in plan.nodes]
         reason = _named(plan.reason, state)

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from thunderpool.cli.jobs import local_layout, rank_job, replica_fields
 from thunderpool.errors import ThunderpoolError
+from thunderpool.parallel.layout import Layout
 from thunderpool.progress import LoadBar
 
 
@@ -33,18 +34,18 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
 
         return cluster_instance(args, make_job, timeout), args.model or "SmolLM2-135M-Instruct"
     model_dir = resolve_model(args.model)
-    fields, config = local_layout(args, model_dir, nodes)
-    guard(config, nodes, fields["parallel"], args.allow_untested)
+    layout, config = local_layout(args, model_dir, nodes)
+    guard(config, nodes, layout.parallel, args.allow_untested)
     if getattr(args, "draft_model", None) == "mtp":
         from thunderpool.engine.mtp import check_mtp_files
 
         check_mtp_files(model_dir, config)
-    job = make_job(nodes, {**fields, "backend": backend}, str(model_dir))
+    job = make_job(nodes, layout, str(model_dir), backend)
     return local_instance(job, timeout=timeout), model_dir.name
 
 
 def generate(args: argparse.Namespace) -> int:
-    from thunderpool.engine.job import GenerateTask, RankJob
+    from thunderpool.engine.job import GenerateTask
     from thunderpool.engine.sampling import SamplingParams
 
     err = Console(stderr=True)
@@ -61,12 +62,12 @@ def generate(args: argparse.Namespace) -> int:
         raise ThunderpoolError(_first_error(e)) from None
     task = GenerateTask(prompt=args.prompt, chat=not args.raw, sampling=sampling)
 
-    def make_job(world: int, layout: dict, model_dir: str | None = None) -> RankJob:
-        return rank_job(args, task, world, layout, model_dir or args.model or "")
+    def make_job(world: int, layout: Layout, model_dir: str | None = None, backend: str = "ring"):
+        return rank_job(args, task, world, layout, model_dir or args.model or "", backend)
 
     instance, name = _instance(args, make_job, args.timeout)
     world = instance.job.world_size
-    mode = instance.job.parallel.upper() if world > 1 else "single rank"
+    mode = instance.job.layout.parallel.upper() if world > 1 else "single rank"
     from thunderpool.launch.mpi import LOCAL_BACKENDS
 
     where = "the cluster" if args.cluster else LOCAL_BACKENDS[instance.job.backend]

@@ -3,57 +3,51 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from thunderpool.engine.job import RankJob, Task
 from thunderpool.errors import ThunderpoolError
+from thunderpool.parallel.layout import Layout
 
 
 def rank_job(
-    args: argparse.Namespace, task: Task, world: int, layout: dict, model_dir: str
+    args: argparse.Namespace,
+    task: Task,
+    world: int,
+    layout: Layout,
+    model_dir: str,
+    backend: str = "ring",
 ) -> RankJob:
-    """A job of `world` ranks running `task`: the layout's fields (a plan's, or the flags'),
-    and what every command shares: prefill chunk, compile, speculation and the KV cache."""
+    """A job of `world` ranks running `task` in `layout` (a plan's, or the flags'), with what
+    every command shares: prefill chunk, compiled steps, KV-cache format and speculation."""
+    layout = replace(layout, compile=args.compile, **kv_fields(args))
     return RankJob(
         model_dir=model_dir,
         world_size=world,
+        backend=backend,
         task=task,
+        layout=layout,
         prefill_chunk=args.prefill_chunk,
-        compile=args.compile,
-        **layout,
         **draft_fields(args),
-        **kv_fields(args),
     )
 
 
-def local_layout(args: argparse.Namespace, model_dir: Path, nodes: int) -> tuple[dict, dict]:
+def local_layout(args: argparse.Namespace, model_dir: Path, nodes: int) -> tuple[Layout, dict]:
     """The flags' layout of `nodes` ranks on this host, checked against the model before any
-    rank starts: (the RankJob's layout fields, the model's config)."""
-    from thunderpool.engine.loader import Layout, preflight
+    rank starts: (the layout, the model's config)."""
+    from thunderpool.engine.loader import preflight
 
-    parallel = args.parallel or "tp"
-    expert_split = getattr(args, "expert_split", None)
-    groups = tuple(args.groups) if getattr(args, "groups", None) else None
-    replicas = replica_fields(args, model_dir, nodes)
     layout = Layout(
-        parallel,
+        args.parallel or "tp",
         args.tp_weights,
         args.layer_split,
-        expert_split,
-        groups=groups,
-        **replicas,
+        getattr(args, "expert_split", None),
+        groups=tuple(args.groups) if getattr(args, "groups", None) else None,
+        **replica_fields(args, model_dir, nodes),
         **kv_fields(args),
     )
-    config = preflight(model_dir, nodes, layout)
-    fields = {
-        "parallel": parallel,
-        "tp_weights": args.tp_weights,
-        "layer_split": args.layer_split,
-        "expert_split": expert_split,
-        "groups": groups,
-        **replicas,
-    }
-    return fields, config
+    return layout, preflight(model_dir, nodes, layout)
 
 
 def replica_fields(args: argparse.Namespace, model_dir: Path, nodes: int) -> dict:
@@ -71,7 +65,7 @@ def replica_fields(args: argparse.Namespace, model_dir: Path, nodes: int) -> dic
 
 
 def kv_fields(args: argparse.Namespace) -> dict:
-    """RankJob fields of --kv-bits/--kv-group-size (every rank quantizes its KV cache alike)."""
+    """Layout fields of --kv-bits/--kv-group-size (every rank quantizes its KV cache alike)."""
     bits = getattr(args, "kv_bits", None)
     if bits is None:
         return {}

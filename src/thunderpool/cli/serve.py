@@ -19,6 +19,7 @@ from pathlib import Path
 from rich.console import Console
 
 from thunderpool.errors import LaunchError, ThunderpoolError
+from thunderpool.parallel.layout import Layout
 
 MEMBERS_EVERY_S = 2.0
 
@@ -114,14 +115,14 @@ def _local(args, backend: str, model_dir: Path, name: str, max_context: int, tok
     from thunderpool.launch.mpi import local_instance
 
     nodes = args.nodes or 2
-    fields, _ = local_layout(args, model_dir, nodes)
+    layout, _ = local_layout(args, model_dir, nodes)
     task = ServeTask(
         model_name=name,
         max_batch=args.max_batch,
         max_context=max_context,
         prefix_cache_bytes=prefix_cache_bytes(args),
     )
-    job = rank_job(args, task, nodes, {**fields, "backend": backend}, str(model_dir))
+    job = rank_job(args, task, nodes, layout, str(model_dir), backend)
     # On one host a lost rank is restarted in the same layout; the token authenticates the
     # gateway to the leader and reaches the ranks through their environment only.
     return lambda first: local_instance(job, timeout=None, env={LINK_TOKEN_ENV: token})
@@ -140,7 +141,7 @@ def _cluster(args, name: str, max_context: int, console: Console):
         prefix_cache_bytes=prefix_cache_bytes(args),
     )
 
-    def make_job(world: int, layout: dict, _model_dir: str | None = None):
+    def make_job(world: int, layout: Layout, _model_dir: str | None = None):
         # Each node resolves the model as the user named it to its own copy.
         return rank_job(args, task, world, layout, args.model or "")
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from thunderpool.engine.sampling import SamplingParams
+from thunderpool.parallel.layout import Layout
+
+LAYOUT_KEYS = frozenset(f.name for f in fields(Layout))
 
 # A rank's events for its launcher: stdout lines of this prefix and a JSON object.
 EVENT_PREFIX = "TPEV "
@@ -65,47 +69,53 @@ class RankJob(_Frozen):
     model_dir: str
     world_size: int = Field(1, ge=1)
     backend: Literal["ring", "jaccl", "mpi"] = "ring"
-    parallel: Literal["tp", "pp", "ep", "hybrid"] = "tp"
-    tp_weights: tuple[float, ...] | None = None
-    layer_split: tuple[int, ...] | None = None
-    expert_split: tuple[int, ...] | None = None  # EP: routed experts per rank
-    # EP: (layer, expert, rank) copies of hot experts on ranks besides their owner
-    expert_replicas: tuple[tuple[int, int, int], ...] | None = None
+    # Where every layer, head and expert goes, the launcher's stage and hand-off addresses, the
+    # compiled step and the KV cache's format: one Layout from the plan to the loader.
+    layout: Layout = Layout()
     prefill_chunk: int = Field(512, ge=1)
-    # Compiled decode steps where proven equal (engine/compiled.py); None: on for a CPU rank,
-    # off on a GPU until a GPU run proves them (compiled.wanted).
-    compile: bool | None = None
     draft_model: str | None = None  # the leader's draft for speculative decoding (a model dir)
     spec_k: int = Field(4, ge=1, le=64)  # draft tokens per verify step
-    # Hybrid TP×PP: ranks per stage (each stage its own MLX world of that size); the launcher
-    # sets each rank's `stage` and every rank's hand-off address (host:port, global order).
-    groups: tuple[int, ...] | None = None
-    stage: int = Field(0, ge=0)
-    handoff: tuple[str, ...] = ()
-    # KV-cache quantization (engine/kv_quant.py): every rank quantizes its own heads and
-    # layers alike, from the first token; None keeps the cache at the model's float type.
-    kv_bits: Literal[4, 8] | None = None
-    kv_group_size: Literal[32, 64, 128] = 64
     task: Task
+
+    @model_validator(mode="before")
+    @classmethod
+    def _layout_keys(cls, data):
+        # Brevity for callers: RankJob(parallel="pp", layer_split=...) builds its one Layout.
+        if isinstance(data, dict) and (keys := LAYOUT_KEYS & data.keys()):
+            base = data.get("layout") or Layout()
+            if isinstance(base, dict):
+                base = Layout(**base)
+            flat = {k: data[k] for k in keys}
+            data = {k: v for k, v in data.items() if k not in keys}
+            data["layout"] = replace(base, **flat)
+        return data
 
     @model_validator(mode="after")
     def _hybrid_limits(self) -> RankJob:
         # What hybrid does not run yet is refused here, before any rank starts.
-        if self.parallel == "hybrid":
-            if not self.groups or sum(self.groups) != self.world_size:
+        layout = self.layout
+        if layout.parallel == "hybrid":
+            if not layout.groups or sum(layout.groups) != self.world_size:
                 raise ValueError(
-                    f"hybrid groups {self.groups} must add up to world_size {self.world_size}"
+                    f"hybrid groups {layout.groups} must add up to world_size {self.world_size}"
                 )
             if self.draft_model:
                 raise ValueError(
                     "speculative decoding does not run on hybrid TP×PP yet; drop --draft-model"
                 )
-            if self.expert_split:
+            if layout.expert_split:
                 raise ValueError("expert parallelism does not run inside hybrid groups yet")
-        elif self.groups:
-            raise ValueError(f"groups {self.groups} are for parallel 'hybrid' only")
+        elif layout.groups:
+            raise ValueError(f"groups {layout.groups} are for parallel 'hybrid' only")
         return self
+
+    def at_stage(self, stage: int, handoff: tuple[str, ...]) -> RankJob:
+        """Hybrid: this job as the ranks of `stage` run it, told every rank's hand-off address."""
+        return self.model_copy(
+            update={"layout": replace(self.layout, stage=stage, handoff=handoff)}
+        )
 
     def mlx_world(self) -> int:
         """The size of this rank's MLX world: all ranks, or its stage's group (hybrid)."""
-        return self.groups[self.stage] if self.groups else self.world_size
+        layout = self.layout
+        return layout.groups[layout.stage] if layout.groups else self.world_size

@@ -27,32 +27,10 @@ from thunderpool.engine.runner import Runner
 from thunderpool.errors import ModelError
 from thunderpool.models import published
 from thunderpool.parallel import experts, tensor, vocab
+from thunderpool.parallel.layout import Layout
 from thunderpool.parallel.packing import config_head_unit
 from thunderpool.parallel.pipeline import PipelineStage, split_layers
 from thunderpool.parallel.stored_rows import StoredRows
-
-
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """How one model is spread over the ranks of a group."""
-
-    parallel: str = "tp"  # "tp", "pp" or "ep" (TP with whole routed experts); one rank: none
-    tp_weights: tuple[float, ...] | None = None
-    layer_split: tuple[int, ...] | None = None
-    expert_split: tuple[int, ...] | None = None  # EP: routed experts per rank (default: weights)
-    compile: bool | None = None  # compiled decode steps (engine/compiled.py); None: wanted()
-    # PP: the last stage hands the leader every prefill position's hidden state, not only
-    # the last one's (an MTP draft reads them all: engine/mtp.py).
-    every_position: bool = False
-    expert_replicas: tuple[tuple[int, int, int], ...] | None = None  # EP: (layer, expert, rank)
-    # Hybrid TP×PP (parallel/hybrid.py): ranks per stage, this rank's stage, and every rank's
-    # hand-off address (host:port, global rank order).
-    groups: tuple[int, ...] | None = None
-    stage: int = 0
-    handoff: tuple[str, ...] = ()
-    # --kv-bits: every rank's KV cache quantized alike (engine/kv_quant.py); None: plain.
-    kv_bits: int | None = None
-    kv_group_size: int = 64
 
 
 @dataclass(frozen=True, slots=True)

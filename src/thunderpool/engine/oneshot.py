@@ -57,9 +57,9 @@ def run(
                 case GenerateTask() as task:
                     kv = {
                         "kv_bytes_per_token": kv_bytes_per_token(
-                            config, job.kv_bits, job.kv_group_size
+                            config, job.layout.kv_bits, job.layout.kv_group_size
                         ),
-                        "kv_bits": job.kv_bits,
+                        "kv_bits": job.layout.kv_bits,
                     }
                     _generate(engine, tokenizer, task, emit, kv)
                 case TraceTask() as task:

@@ -44,7 +44,7 @@ def serve(
     progress: Callable[[float], None],
 ) -> None:
     token = link_token_from_env()
-    if group.rank() == 0 and job.stage == 0 and not token:  # hybrid: stage 0 leads
+    if group.rank() == 0 and job.layout.stage == 0 and not token:  # hybrid: stage 0 leads
         raise LaunchError("no engine-link token in the environment; start ranks with `serve`")
     runner, config, stats = load_shard(Path(job.model_dir), group, layout, progress)
     emit("loaded", **stats.as_event())
@@ -78,7 +78,7 @@ def serve(
         tokenizer=tokenizer,
         drafter=drafter,
         prefix_cache_tokens=budget_tokens(
-            task.prefix_cache_bytes, config, job.kv_bits, job.kv_group_size
+            task.prefix_cache_bytes, config, job.layout.kv_bits, job.layout.kv_group_size
         ),
     )
     warm_up(engine, tokenizer, max_context, task.max_batch)

@@ -204,7 +204,7 @@ class LocalInstance(Launcher):
         tmp = Path(self.tmp.name)
         env = {**os.environ, **fast_blas_env(), **self.env}
         for rank, (job, world_env) in enumerate(self._worlds(tmp)):
-            job_file = tmp / f"job-{job.stage}.json"
+            job_file = tmp / f"job-{job.layout.stage}.json"
             if not job_file.exists():
                 job_file.write_text(job.model_dump_json())
             cpu = self.cpus[rank % len(self.cpus)] if self.pin else None
@@ -227,8 +227,8 @@ class LocalInstance(Launcher):
         """Each rank's job and MLX environment, in global rank order: one ring world of all
         ranks, or (hybrid) one per stage with its own hostfile, joined by hand-off ports."""
         job = self.job
-        groups = job.groups or (job.world_size,)
-        ports = free_ports(job.world_size + (job.world_size if job.groups else 0))
+        groups = job.layout.groups or (job.world_size,)
+        ports = free_ports(job.world_size + (job.world_size if job.layout.groups else 0))
         handoff = tuple(f"127.0.0.1:{p}" for p in ports[job.world_size :])
         for stage, size in enumerate(groups):
             env: dict[str, str] = {}
@@ -238,10 +238,7 @@ class LocalInstance(Launcher):
                 ring = [[f"127.0.0.1:{p}"] for p in ports[first : first + size]]
                 hostfile.write_text(json.dumps(ring))
                 env["MLX_HOSTFILE"] = str(hostfile)
-            if job.groups:
-                staged = job.model_copy(update={"stage": stage, "handoff": handoff})
-            else:
-                staged = job
+            staged = job.at_stage(stage, handoff) if job.layout.groups else job
             for rank in range(size):
                 yield staged, {**env, "MLX_RANK": str(rank)}
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from thunderpool.errors import ShardingError, ThunderpoolError
 from thunderpool.models.families import family_of, unverified
+from thunderpool.parallel.layout import Layout
 from thunderpool.parallel.tensor import proportional_split
 from thunderpool.planner.cost import (
     LinkSpec,
@@ -70,6 +71,22 @@ class Plan:
     @property
     def layer_split(self) -> tuple[int, ...] | None:
         return tuple(s.n_layers for s in self.stages) if len(self.stages) > 1 else None
+
+    def layout(self) -> Layout:
+        """The layout the ranks load. Hybrid: one TP group per stage, its weights those of its
+        nodes, given for every rank in order (parallel/hybrid.py)."""
+        match self.kind:
+            case "tp":
+                return Layout("tp", self.tp_weights)
+            case "ep":  # whole experts per rank, as many as the planner priced
+                return Layout("ep", self.tp_weights, expert_split=self.experts)
+            case "pp":
+                return Layout("pp", layer_split=self.layer_split)
+            case "hybrid":
+                groups = tuple(len(s.nodes) for s in self.stages)
+                weights = tuple(w for s in self.stages for w in s.tp_weights)
+                return Layout("hybrid", weights, self.layer_split, groups=groups)
+        return Layout("tp")
 
 
 @dataclass(frozen=True, slots=True)

@@ -172,5 +172,5 @@ def describe(instance: Instance, generation: int) -> dict:
         hosts = [state.contacts[n].rsplit(":", 1)[0] for n in order]
     else:
         nodes, hosts = [f"rank{r}" for r in range(world)], ["127.0.0.1"] * world
-    parallel = (job.parallel if world > 1 else "single") if job else "single"
+    parallel = (job.layout.parallel if world > 1 else "single") if job else "single"
     return {"generation": generation, "parallel": parallel, "nodes": nodes, "hosts": hosts}

@@ -66,9 +66,7 @@ class ClusterView:
             self.seats, self.links = local_seats(world), local_links(world)
         self.reports = [RankReport()] * world
         if job is not None:
-            self.layout = Layout(
-                job.parallel, job.tp_weights, job.layer_split, job.expert_split, groups=job.groups
-            )
+            self.layout = job.layout
         return self.fields()
 
     def observe(self, rank: int, event: dict) -> dict | None:

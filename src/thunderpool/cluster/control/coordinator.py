@@ -35,7 +35,6 @@ from thunderpool.engine.job import RankJob
 from thunderpool.errors import LaunchError, ThunderpoolError
 from thunderpool.launch.local import RankEvent
 from thunderpool.planner.cost import LinkSpec, NodeSpec, pins_cores
-from thunderpool.planner.placement import Plan
 from thunderpool.planner.presets import (
     live_collective_overhead_s,
     live_op_latency_s,
@@ -214,25 +213,6 @@ def core_assignment(state: ClusterState, order: list[str]) -> dict[int, int]:
     return cpus
 
 
-def plan_layout(plan: Plan) -> dict:
-    """RankJob fields for a plan. Hybrid: one TP group per stage, its weights those of its
-    nodes, given for every rank in order (parallel/hybrid.py)."""
-    if plan.kind == "tp":
-        return {"parallel": "tp", "tp_weights": plan.tp_weights}
-    if plan.kind == "ep":  # whole experts per rank, as many as the planner priced
-        return {"parallel": "ep", "tp_weights": plan.tp_weights, "expert_split": plan.experts}
-    if plan.kind == "pp":
-        return {"parallel": "pp", "layer_split": plan.layer_split}
-    if plan.kind == "hybrid":
-        return {
-            "parallel": "hybrid",
-            "groups": tuple(len(s.nodes) for s in plan.stages),
-            "layer_split": plan.layer_split,
-            "tp_weights": tuple(w for s in plan.stages for w in s.tp_weights),
-        }
-    return {"parallel": "tp"}
-
-
 def handoff_addresses(
     state: ClusterState, order: list[str], groups: tuple[int, ...], base_port: int
 ) -> tuple[str, ...]:
@@ -305,14 +285,14 @@ class ClusterInstance:
         """Each stage its own MLX world (jaccl where its nodes are RDMA-joined), every rank
         told the hand-off addresses; and the shards of nodes without the model, fetched per
         stage: its layers' TP slices over its group (fabric.rank_layout)."""
-        job, groups = self.job, tuple(self.job.groups or ())
+        job, groups = self.job, tuple(self.job.layout.groups or ())
         handoff = handoff_addresses(self.state, self.order, groups, ring_port_base(len(self.order)))
         seats: list[tuple[RankJob, dict, dict]] = []
         shards: dict[int, str] = {}
         for s, n in enumerate(groups):
             first = sum(groups[:s])
             order = self.order[first : first + n]
-            staged = job.model_copy(update={"stage": s, "handoff": handoff})
+            staged = job.at_stage(s, handoff)
             world = self._world(staged, order)
             seats += [(j, f, {**e, "MLX_RANK": str(r)}) for r, (j, f, e) in enumerate(world)]
             shards |= {first + r: d for r, d in fetch(order, staged).items()}
@@ -332,7 +312,7 @@ class ClusterInstance:
         client = lambda node: self.coordinator.client(node, self.state)  # noqa: E731
         check_draft(client, self.state, self.order, self.job)
         n = len(self.order)
-        if self.job.groups:
+        if self.job.layout.groups:
             seats, shards = self._hybrid(fetch)
         else:
             seats = self._world(self.job, self.order)

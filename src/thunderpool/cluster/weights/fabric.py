@@ -38,29 +38,30 @@ class NodeFetch:
 
 def rank_layout(job: RankJob, rank: int, world: int) -> RankLayout:
     """What `rank` of `world` reads. Hybrid: `world` is the job's stage group, which reads
-    its stage's layers TP-sliced (job.tp_weights: the whole job's, rank by rank)."""
-    if job.parallel == "hybrid":
+    its stage's layers TP-sliced (job.layout.tp_weights: the whole job's, rank by rank)."""
+    layout = job.layout
+    if layout.parallel == "hybrid":
         from thunderpool.parallel.hybrid import group_weights
 
-        groups = tuple(job.groups or ())
-        weights = group_weights(groups, job.stage, job.tp_weights)
+        groups = tuple(layout.groups or ())
+        weights = group_weights(groups, layout.stage, layout.tp_weights)
         return RankLayout(
             rank=rank,
             world=world,
             parallel="tp",
             tp_weights=tuple(weights) if weights else None,
-            layer_split=tuple(job.layer_split) if job.layer_split else None,
-            stage=job.stage,
+            layer_split=layout.layer_split,
+            stage=layout.stage,
             stages=len(groups),
         )
     return RankLayout(
         rank=rank,
         world=world,
-        parallel=job.parallel,
-        tp_weights=tuple(job.tp_weights) if job.tp_weights else None,
-        layer_split=tuple(job.layer_split) if job.layer_split else None,
-        expert_split=tuple(job.expert_split) if job.expert_split else None,
-        expert_replicas=job.expert_replicas,
+        parallel=layout.parallel,
+        tp_weights=layout.tp_weights,
+        layer_split=layout.layer_split,
+        expert_split=layout.expert_split,
+        expert_replicas=layout.expert_replicas,
     )
 
 
