@@ -15,20 +15,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from thunderpool.api import openapi, prompts
-from thunderpool.api.conversation import (
-    Admitted,
-    Conversation,
-    Finish,
-    Turn,
-    admit,
-    collect_turn,
-    render,
-    turn,
-)
+from thunderpool.api.conversation import Admitted, Conversation, Finish, Turn, admit, render
 from thunderpool.api.errors import APIError, bad_request
 from thunderpool.api.schemas import SamplingFields
 from thunderpool.api.sse import EventStream, until_disconnect
 from thunderpool.api.tools import Call, Text, function_tool
+from thunderpool.api.turns import collect_turn, turn
 from thunderpool.api.wire import Strict, parse
 from thunderpool.engine.service import EngineClient
 

@@ -1,27 +1,24 @@
-"""What a choice carries besides its text: logprobs in OpenAI's two shapes, a forced tool call,
-and n > 1 choices as n engine streams merged into one.
+"""What a choice carries besides its text: logprobs in OpenAI's two shapes; and n > 1 choices
+as n streams merged into one.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TypeVar
 
 from thunderpool.api.schemas import (
-    CalledFunction,
-    CalledTool,
-    CalledToolDelta,
     ChoiceLogprobs,
     CompletionLogprobs,
     LogprobContent,
     TopLogprob,
 )
 from thunderpool.api.sse import close_quietly
-from thunderpool.api.tools import forced_call
 from thunderpool.engine.logits import TokenLogprob
-from thunderpool.engine.service import Delta
 
 TokenText = Callable[[int], str]
+T = TypeVar("T")
 
 
 def chat_logprobs(lps: Sequence[TokenLogprob], text_of: TokenText) -> ChoiceLogprobs:
@@ -54,20 +51,8 @@ def completion_logprobs(
     )
 
 
-def tool_calls(text: str, index: int | None = None) -> list[CalledTool] | None:
-    """The forced tool call in a constrained output (a stream's delta with `index`); None if
-    it was cut short."""
-    call = forced_call(text)
-    if call is None:
-        return None
-    fn = CalledFunction(name=call.name, arguments=call.arguments)
-    if index is None:
-        return [CalledTool(id=call.id, function=fn)]
-    return [CalledToolDelta(index=index, id=call.id, function=fn)]
-
-
-async def merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
-    """(choice index, delta) from every stream as they come; closing this closes them all.
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """(choice index, item) from every stream as they come; closing this closes them all.
     A stream's exception is re-raised here."""
     if len(streams) == 1:
         try:
@@ -78,7 +63,7 @@ async def merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int,
         return
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, s: AsyncIterator[Delta]) -> None:
+    async def pump(i: int, s: AsyncIterator[T]) -> None:
         try:
             async for d in s:
                 await queue.put((i, d))

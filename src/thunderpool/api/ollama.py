@@ -19,11 +19,12 @@ from pydantic import BaseModel
 
 from thunderpool import __version__
 from thunderpool.api import openapi
-from thunderpool.api.conversation import Admitted, Conversation, Finish, admit, collect_turn, turn
+from thunderpool.api.conversation import Admitted, Conversation, Finish, admit
 from thunderpool.api.errors import APIError, bad_request
 from thunderpool.api.schemas import SamplingFields
 from thunderpool.api.sse import EventStream, until_disconnect
 from thunderpool.api.tools import Call, Text, function_tool
+from thunderpool.api.turns import collect_turn, turn
 from thunderpool.api.wire import Strict, parse
 from thunderpool.engine.service import EngineClient
 

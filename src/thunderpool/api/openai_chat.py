@@ -1,7 +1,6 @@
-"""OpenAI chat completions into a Conversation, and the answers of a turn that may call tools:
-`message.tool_calls` collected, `delta.tool_calls` streamed, finish_reason "tool_calls".
-
-Requests without tools keep generation.py's framing; both share the Conversation's prompt.
+"""OpenAI chat completions: the request as a Conversation, and its choices' turns as one
+`chat.completion` body or a stream of `chat.completion.chunk` events, with logprobs and tool
+calls (`message.tool_calls` collected, `delta.tool_calls` streamed, finish_reason "tool_calls").
 """
 
 from __future__ import annotations
@@ -10,10 +9,10 @@ import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from thunderpool.api import prompts
-from thunderpool.api.conversation import Admitted, Conversation, Finish, Turn, turn
+from thunderpool.api import prompts, structured
+from thunderpool.api.choices import chat_logprobs
+from thunderpool.api.conversation import Admitted, Conversation, Finish, Turn
 from thunderpool.api.errors import APIError, bad_request
-from thunderpool.api.generation import _error_event
 from thunderpool.api.schemas import (
     AssistantMessage,
     CalledFunction,
@@ -25,11 +24,13 @@ from thunderpool.api.schemas import (
     ChatCompletionChunk,
     ChatDelta,
     ChatRequest,
+    ErrorBody,
     PromptTokensDetails,
     Usage,
 )
 from thunderpool.api.sse import DONE, event
-from thunderpool.api.tools import Call, Text, function_tool
+from thunderpool.api.tools import SERVED_CHOICES, Call, Text, function_tool
+from thunderpool.api.turns import choices, usage_of
 from thunderpool.engine.service import EngineClient
 
 
@@ -112,12 +113,17 @@ def to_conversation(req: ChatRequest) -> Conversation:
         raise bad_request("'messages' must contain at least one message", param="messages")
     limit = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     sampling = req.model_copy(update={"max_tokens": limit})
+    choice = tool_choice(req.tool_choice)
     return Conversation(
         messages=tuple(messages(req)),
         sampling=sampling,
         tools=tools(req),
-        tool_choice=tool_choice(req.tool_choice),
+        tool_choice=choice,
         stream=bool(req.stream),
+        n=structured.check_n(req),
+        # A forced call ("required" or a named function) is constrained decoding's
+        # (structured.py); "auto" lets the model choose, parsed by the family's tool parser.
+        forced=choice not in SERVED_CHOICES,
     )
 
 
@@ -128,54 +134,75 @@ def _called(calls: tuple[Call, ...] | list[Call]) -> list[CalledTool]:
     ]
 
 
-def _usage(f: Finish) -> Usage:
+def usage(finishes: list[Finish]) -> Usage:
+    prompt, completion, cached = usage_of(finishes)
     return Usage(
-        prompt_tokens=f.prompt_tokens,
-        completion_tokens=f.completion_tokens,
-        total_tokens=f.prompt_tokens + f.completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=f.cached_tokens),
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
 
-def body(a: Admitted, t: Turn) -> ChatCompletion:
-    content = t.text if t.text or not t.calls else None  # null beside calls, as OpenAI's
-    message = AssistantMessage(content=content, tool_calls=_called(t.calls) or None)
-    choice = ChatChoice(message=message, finish_reason=t.finish.reason)
+def error_event(err: APIError) -> bytes:
+    return event(ErrorBody(error=err.detail()).model_dump_json())
+
+
+def _logprobs(a: Admitted, lps: tuple):
     j = a.job
-    return ChatCompletion(
-        id=j.id, created=j.created, model=j.model, choices=[choice], usage=_usage(t.finish)
-    )
+    return chat_logprobs(lps, j.token_text) if j.params.logprobs and j.token_text else None
+
+
+def body(a: Admitted, turns: list[Turn]) -> ChatCompletion:
+    picks = []
+    for i, t in enumerate(turns):
+        content = t.text if t.text or not t.calls else None  # null beside calls, as OpenAI's
+        message = AssistantMessage(content=content, tool_calls=_called(t.calls) or None)
+        lps = _logprobs(a, t.logprobs)
+        picks.append(
+            ChatChoice(index=i, message=message, finish_reason=t.finish.reason, logprobs=lps)
+        )
+    j = a.job
+    total = usage([t.finish for t in turns])
+    return ChatCompletion(id=j.id, created=j.created, model=j.model, choices=picks, usage=total)
 
 
 async def chunks(
     engine: EngineClient, a: Admitted, include_usage: bool
 ) -> AsyncGenerator[bytes, None]:
-    """chat.completion.chunk events: a role chunk, content and tool_calls deltas (one whole
-    call per delta, each with its `index`), an empty finish, usage if asked, [DONE]."""
+    """chat.completion.chunk events: each choice's role chunk, content (with logprobs) and
+    tool_calls deltas (one whole call per delta, each with its `index`), its empty finish;
+    then usage if asked, and [DONE]."""
     j = a.job
 
-    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
+    def chunk(picks: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
         c = ChatCompletionChunk(
-            id=j.id, created=j.created, model=j.model, choices=choices, usage=usage
+            id=j.id, created=j.created, model=j.model, choices=picks, usage=usage
         )
         return event(c.model_dump_json())
 
-    yield chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
-    index = 0
+    for i in range(j.n):
+        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+    calls: dict[int, int] = {}
+    finishes: dict[int, Finish] = {}
     try:
-        async for ev in turn(engine, a):
+        async for i, ev in choices(engine, a):
             match ev:
-                case Text() if ev.text:
-                    yield chunk([ChatChunkChoice(delta=ChatDelta(content=ev.text))])
+                case Text() if ev.text or ev.logprobs:
+                    lps = _logprobs(a, ev.logprobs)
+                    delta = ChatDelta(content=ev.text)
+                    yield chunk([ChatChunkChoice(index=i, delta=delta, logprobs=lps)])
                 case Call():
                     function = CalledFunction(name=ev.name, arguments=ev.arguments)
-                    call = CalledToolDelta(index=index, id=ev.id, function=function)
-                    index += 1
-                    yield chunk([ChatChunkChoice(delta=ChatDelta(tool_calls=[call]))])
+                    call = CalledToolDelta(index=calls.get(i, 0), id=ev.id, function=function)
+                    calls[i] = calls.get(i, 0) + 1
+                    yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(tool_calls=[call]))])
                 case Finish():
-                    yield chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=ev.reason)])
-                    if include_usage:
-                        yield chunk([], _usage(ev))
-                    yield DONE
+                    finish = ChatChunkChoice(index=i, delta=ChatDelta(), finish_reason=ev.reason)
+                    yield chunk([finish])
+                    finishes[i] = ev
+        if include_usage:
+            yield chunk([], usage([finishes[k] for k in sorted(finishes)]))
+        yield DONE
     except APIError as e:
-        yield _error_event(e)
+        yield error_event(e)

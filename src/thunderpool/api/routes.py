@@ -12,40 +12,25 @@ import hmac
 import logging
 import math
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 
-from anyio import to_thread
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel
 
-from thunderpool.api import anthropic, ollama, openai_chat, openapi, prompts, responses, structured
-from thunderpool.api.conversation import Conversation, admit, collect_turn
+from thunderpool.api import anthropic, ollama, openai_chat, openai_text, openapi, prompts, responses
+from thunderpool.api.conversation import Conversation, admit
 from thunderpool.api.errors import RETRY_AFTER_S, APIError, install_error_handlers
-from thunderpool.api.errors import not_ready as not_ready_error
-from thunderpool.api.generation import (
-    ChatFrames,
-    CompletionFrames,
-    Job,
-    Outcome,
-    chat_body,
-    collect_all,
-    completion_body,
-    stream,
-)
 from thunderpool.api.history import EVERY_S, History
 from thunderpool.api.metrics import CONTENT_TYPE, HTTPCounter, render
 from thunderpool.api.observe import AccessLog, Latencies, RecordingEngine
 from thunderpool.api.schemas import ChatRequest, CompletionRequest, ModelCard, ModelList
 from thunderpool.api.sse import EventStream, until_disconnect
-from thunderpool.api.tools import SERVED_CHOICES
+from thunderpool.api.turns import collect_turns
 from thunderpool.api.wire import parse
-from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.service import EngineClient
 
 log = logging.getLogger("thunderpool.api")
@@ -115,46 +100,18 @@ def create_app(
     hello = {"model": engine.info.model, "max_tokens": 16}  # the documented examples' start
     http_counts: Counter[tuple[str, int]] = Counter()
 
-    def ready() -> None:
-        s = engine.status()
-        if s.state != "ready":
-            raise not_ready_error(s.state, s.detail)
-
-    def new_job(
-        prefix: str, req: ChatRequest | CompletionRequest, prompt: list[int], params: SamplingParams
-    ) -> Job:
-        include = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-        tokenizer = engine.tokenizer
-        return Job(
-            id=f"{prefix}-{uuid.uuid4().hex[:24]}",
-            created=int(time.time()),
-            model=engine.info.model,
-            prompt=prompt,
-            params=params,
-            include_usage=include,
-            n=structured.check_n(req),
-            tool_call=isinstance(req, ChatRequest) and structured.forced_tools(req) is not None,
-            token_text=lambda t: tokenizer.decode([t]),
-        )
-
-    async def answer(
-        request: Request,
-        job: Job,
-        frames: ChatFrames | CompletionFrames | None,
-        body: Callable[[Job, list[Outcome]], BaseModel],
-    ) -> Response:
-        # Streams watch for the disconnect inside EventStream; a collected answer does it here.
-        # n choices are n requests on the same prompt (a prefix cache makes them share it).
-        streams = [
-            engine.generate(job.prompt, job.choice_params(i), replayable=frames is None)
-            for i in range(job.n)
-        ]
-        if frames is not None:
-            return EventStream(stream(streams, job, frames))
-        out = await until_disconnect(request.receive, lambda: collect_all(streams, job))
-        if out is None:
+    async def answer(request: Request, conv: Conversation, prefix: str, api) -> Response:
+        """An OpenAI answer (chat or text, `api`'s renderers) of the conversation's choices:
+        streamed, or collected while watching for the client's disconnect."""
+        admitted = await admit(engine, conv, prefix)
+        if conv.stream:
+            options = conv.sampling.stream_options
+            include = bool(options and options.include_usage)
+            return EventStream(api.chunks(engine, admitted, include))
+        turns = await until_disconnect(request.receive, lambda: collect_turns(engine, admitted))
+        if turns is None:
             return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(body(job, out).model_dump(mode="json"))
+        return JSONResponse(api.body(admitted, turns).model_dump(mode="json"))
 
     @app.post(
         "/v1/chat/completions",
@@ -170,29 +127,7 @@ def create_app(
         req = await parse(request, ChatRequest)
         prompts.check_model(req.model, engine.info.model)
         prompts.check_supported(req)
-        conv = openai_chat.to_conversation(req)
-        # A forced call ("required" or a named function) is constrained decoding's
-        # (structured.py); "auto" lets the model choose, parsed by the family's tool parser.
-        forced = conv.tool_choice not in SERVED_CHOICES
-        if conv.tools and conv.tool_choice != "none" and not forced:
-            return await chat_with_tools(request, conv, req)
-        ready()
-        messages, tools = list(conv.messages), list(conv.tools) if forced else None
-        ids = await to_thread.run_sync(prompts.chat_prompt, engine.tokenizer, messages, tools)
-        limit = conv.sampling.max_tokens
-        params = prompts.sampling_params(req, limit, len(ids), engine.info.max_context, "messages")
-        job = new_job("chatcmpl", req, ids, params)
-        return await answer(request, job, ChatFrames(job) if req.stream else None, chat_body)
-
-    async def chat_with_tools(request: Request, conv: Conversation, req: ChatRequest) -> Response:
-        admitted = await admit(engine, conv, "chatcmpl-")
-        if conv.stream:
-            include = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStream(openai_chat.chunks(engine, admitted, include))
-        t = await until_disconnect(request.receive, lambda: collect_turn(engine, admitted))
-        if t is None:
-            return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(openai_chat.body(admitted, t).model_dump(mode="json"))
+        return await answer(request, openai_chat.to_conversation(req), "chatcmpl-", openai_chat)
 
     @app.post(
         "/v1/completions",
@@ -203,13 +138,7 @@ def create_app(
         req = await parse(request, CompletionRequest)
         prompts.check_model(req.model, engine.info.model)
         prompts.check_supported(req)
-        ready()
-        ids = await to_thread.run_sync(prompts.completion_prompt, engine.tokenizer, req.prompt)
-        n = len(ids)
-        params = prompts.sampling_params(req, req.max_tokens, n, engine.info.max_context, "prompt")
-        job = new_job("cmpl", req, ids, params)
-        frames = CompletionFrames(job) if req.stream else None
-        return await answer(request, job, frames, completion_body)
+        return await answer(request, openai_text.to_conversation(req), "cmpl-", openai_text)
 
     def card() -> ModelCard:
         return ModelCard(id=engine.info.model, created=engine.info.created)

@@ -25,6 +25,7 @@ SERVED_CHOICES = ("auto", "none")
 @dataclass(frozen=True, slots=True)
 class Text:
     text: str
+    logprobs: tuple = ()  # the engine's TokenLogprobs of the tokens behind it, if asked
 
 
 @dataclass(frozen=True, slots=True)
