@@ -57,10 +57,12 @@ def test_rejection_sampling_keeps_the_target_distribution():
 
 
 def test_plan_carries_the_draft_length():
-    plan = StepPlan(decode=True, spec=4)
+    plan = StepPlan(decode=True, spec=(4, 0, 2))
     assert StepPlan.decode_bytes(plan.encode()) == plan
-    with pytest.raises(ValueError, match="spec=3"):
-        StepPlan(spec=3)
+    with pytest.raises(ValueError, match=r"spec=\(3,\)"):
+        StepPlan(spec=(3,))
+    with pytest.raises(ValueError, match=r"spec=\(0, 0\)"):
+        StepPlan(decode=True, spec=(0, 0))
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ def test_each_row_keeps_its_own_target_distribution():
     from scipy.stats import chisquare
 
     from thunderpool.engine.sampling import SamplingParams
-    from thunderpool.engine.speculate import _accept
+    from thunderpool.engine.speculate import accept_rows as _accept
 
     p = np.array([[0.5, 0.2, 0.15, 0.1, 0.05], [0.05, 0.1, 0.15, 0.2, 0.5]])
     q = p[::-1].copy()  # each row's draft favours the other row's tokens

@@ -39,14 +39,16 @@ def bench_spec_leader(engine: Engine, task: BenchTask, emit) -> None:
     for warm in (True, False):
         for _ in range(1 if warm else task.repeats):
             for mode in ("plain", "spec"):
-                ex.drafter, ex.spec_stats = (drafter if mode == "spec" else None), SpecStats()
+                engine.use_drafter(drafter if mode == "spec" else None)
+                ex.spec_stats = SpecStats()
                 run = run_ours(engine, prompt, WARMUP_TOKENS if warm else task.max_tokens)
                 if not warm:
                     runs[mode].append((run, ex.spec_stats))
     tps = {m: [r.decode_tps for r, _ in rs] for m, rs in runs.items()}
     accounts = []
     for mode in ("plain", "spec"):
-        ex.drafter, ex.spec_stats = (drafter if mode == "spec" else None), SpecStats()
+        engine.use_drafter(drafter if mode == "spec" else None)
+        ex.spec_stats = SpecStats()
         acct = accounted(engine, lambda: run_ours(engine, prompt, task.max_tokens))
         timed_ms = 1e3 / statistics.median(tps[mode]) if statistics.median(tps[mode]) else 0.0
         solo = solo_forward(engine, prompt, 1, round(acct.get("width", 1)))
@@ -59,7 +61,7 @@ def bench_spec_leader(engine: Engine, task: BenchTask, emit) -> None:
                 "solo_ms": solo,
             }
         )
-    ex.drafter = drafter
+    engine.use_drafter(drafter)
     stats = [s for _, s in runs["spec"]]
     plain, spec = statistics.median(tps["plain"]), statistics.median(tps["spec"])
     emit(
@@ -115,7 +117,8 @@ def bench_spec_batch(engine: Engine, task: BenchTask, rows: int) -> dict:
     for warm in (True, False):
         for _ in range(1 if warm else task.repeats):
             for mode in ("plain", "spec"):
-                ex.drafter, ex.spec_stats = (drafter if mode == "spec" else None), SpecStats()
+                engine.use_drafter(drafter if mode == "spec" else None)
+                ex.spec_stats = SpecStats()
                 run = run_batch(engine, prompts, WARMUP_TOKENS if warm else task.max_tokens)
                 if not warm:
                     runs[mode].append((run, ex.spec_stats))
@@ -123,7 +126,8 @@ def bench_spec_batch(engine: Engine, task: BenchTask, rows: int) -> dict:
     for mode, rs in runs.items():
         for key in ("total_tps", "decode_tps"):
             result[f"{mode}_{key}"] = [r[key] for r, _ in rs]
-        ex.drafter, ex.spec_stats = (drafter if mode == "spec" else None), SpecStats()
+        engine.use_drafter(drafter if mode == "spec" else None)
+        ex.spec_stats = SpecStats()
         acct = accounted(engine, lambda: run_batch(engine, prompts, task.max_tokens))
         # Per row's token: a step delivers a token to each row.
         tps = statistics.median(result[f"{mode}_decode_tps"])
@@ -138,7 +142,8 @@ def bench_spec_batch(engine: Engine, task: BenchTask, rows: int) -> dict:
                 "solo_ms": solo,
             }
         )
-    ex.drafter, drafter.max_rows = drafter, limit
+    engine.use_drafter(drafter)
+    drafter.max_rows = limit
     stats = [s for _, s in runs["spec"]]
     result["acceptance"] = sum(s.accepted for s in stats) / max(1, sum(s.proposed for s in stats))
     result["tokens_per_step"] = sum(s.emitted for s in stats) / max(1, sum(s.steps for s in stats))

@@ -19,6 +19,17 @@ HEADER = 512
 _LEN = 4  # little-endian uint32 payload length at the start of the header
 
 
+def burst_width(rows: int) -> int:
+    """Ints of a plain decode step's command: [last, the token of each row]."""
+    return 1 + rows
+
+
+def verify_width(rows: int, k: int) -> int:
+    """Ints of a speculative verify step's command: [go, n, trim of each row, t0 of each
+    row, k drafts of each row] (verify.py)."""
+    return 2 + rows * (2 + k)
+
+
 class Control:
     def __init__(self, group: mx.distributed.Group):
         self.group = group
@@ -43,13 +54,18 @@ class Control:
         and whether this is the burst's last step; followers pass None. Returns (B+1,) int32:
         [1 if last else 0, the token of each row]."""
         if tokens is None:
-            mine = mx.zeros((rows + 1,), mx.int32)
+            mine = mx.zeros((burst_width(rows),), mx.int32)
         else:
             flag = mx.array([int(last)], mx.int32)
             mine = mx.concatenate([flag, tokens.astype(mx.int32).reshape(rows)])
         if self.size == 1:
             return mine  # alone: the same graph minus the collective
         return self._lazy_sum(mine)
+
+    def verify_step(self, values: list[int] | None, rows: int, k: int) -> list[int]:
+        """One speculative verify step's command, eagerly (verify.py; followers pass None):
+        [go, n, trim of each row, t0 of each row, k drafts of each row]."""
+        return self.share_ints(values, verify_width(rows, k))
 
     def share_ints(self, values: list[int] | None, n: int) -> list[int]:
         """The leader's n ints on every rank, eagerly (one int32 all_sum; followers pass
@@ -134,6 +150,9 @@ class HybridControl:
             out = self.link.recv()
         self._forward(out)
         return out
+
+    def verify_step(self, values: list[int] | None, rows: int, k: int) -> list[int]:
+        return self.share_ints(values, verify_width(rows, k))
 
     def share_ints(self, values: list[int] | None, n: int) -> list[int]:
         from thunderpool.errors import ThunderpoolError

@@ -49,7 +49,7 @@ def drafter_for(job, runner: Runner, control, layout: Layout) -> Drafter | None:
         del sharded  # each rank's shard; the leader loads the whole draft below
     if not runner.is_leader:
         return None
-    return load_drafter(draft, target, job.spec_k, job.layout.compile)
+    return load_drafter(draft, target, job.spec_k, layout.compile)
 
 
 def load_sharded(

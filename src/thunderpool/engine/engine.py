@@ -30,7 +30,7 @@ from thunderpool.engine.prefix import PrefixIndex
 from thunderpool.engine.prefix_kv import keepable_tokens
 from thunderpool.engine.runner import Runner
 from thunderpool.engine.sampling import Sampler, SamplingParams
-from thunderpool.engine.scheduler import Emitted, Scheduler
+from thunderpool.engine.scheduler import Emitted, Scheduler, Speculation
 
 OnEvent = Callable[[Emitted], None]
 
@@ -61,6 +61,7 @@ class Engine:
         self.scheduler = Scheduler(
             prefill_chunk, max_batch, max_context, eos, prefix_index(runner, prefix_cache_tokens)
         )
+        self.use_drafter(drafter)
         self.plans = 0  # sent so far (tests count them)
         self.wake_s = 0.0  # the last wake-up: from waking the followers to the next plan sent
         self._woke_at = 0.0
@@ -117,12 +118,6 @@ class Engine:
         if (pre := plan.prefill) is not None and pre.reuse is not None:
             self.executor.reused_heads[pre.sid] = self.scheduler.prompt(pre.sid)[: pre.reuse[1]]
         self._note_queue_time(plan)
-        if self.executor.drafter is not None:
-            from dataclasses import replace
-
-            from thunderpool.engine.speculate import choose_k
-
-            plan = replace(plan, spec=choose_k(self.executor, plan))
         self._execute(plan)
         for sid in plan.drop:
             self._on_event.pop(sid, None)
@@ -164,6 +159,19 @@ class Engine:
             if parked:
                 self.executor.waker.wake()
             self.shutdown()
+
+    def use_drafter(self, drafter) -> None:
+        """Leader: speculate with `drafter` from the next plan on, or decode plainly (None);
+        bench alternates the two on one engine."""
+        self.executor.drafter = drafter
+        ex = self.executor
+        trimmable = getattr(ex, "rows_trimmable", False)
+        if drafter is None:
+            self.scheduler.speculation = None
+            return
+        from thunderpool.engine.drafter import MAX_ROWS
+
+        self.scheduler.speculation = Speculation(drafter, trimmable, MAX_ROWS)
 
     def generate(self, prompt: list[int], params: SamplingParams, on_event: OnEvent) -> None:
         """One request, run to its end on this thread (a batch of one row)."""

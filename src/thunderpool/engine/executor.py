@@ -8,7 +8,8 @@ when it issues a step (the sink asks the scheduler); followers read it after iss
 forward, so every rank runs the same forwards. Where batch.overlaps says so (a GPU, one rank,
 PP, or cores to spare), the leader builds step k on step k-1's lazily sampled tokens before it
 delivers them; CPU TP ranks pinned to one core build step k once step k-1 is done. Either way
-is one rank's own choice: the collectives are the same.
+is one rank's own choice: the collectives are the same. A plan whose `spec` names drafts runs
+verify steps instead (verify.py), whose command width Control defines beside a plain step's.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from thunderpool.engine.plan import Prefill, StepPlan
 from thunderpool.engine.prefix_kv import PrefixStore
 from thunderpool.engine.runner import Runner
 from thunderpool.engine.sampling import Sampler, SamplingParams, sample_rows
+from thunderpool.engine.verify import Verifier
 from thunderpool.engine.wake import Waker
 
 if TYPE_CHECKING:
@@ -44,7 +46,7 @@ class Sink(Protocol):
     def spec_budget(self) -> tuple[bool, dict[int, int]]: ...
 
 
-class Executor:
+class Executor(Verifier):
     def __init__(
         self,
         runner: Runner,
@@ -97,12 +99,10 @@ class Executor:
                         rows = [first] if self.next is None else [self.next, first]
                         self.next = mx.concatenate(rows)
                 if plan.spec:
-                    from thunderpool.engine import speculate
-
                     if self.leads:
-                        speculate.lead(self, plan.spec, sink, plan.join[0] if plan.join else None)
+                        self._lead_verify(plan.spec, sink, plan.join[0] if plan.join else None)
                     else:
-                        speculate.follow(self, plan.spec)
+                        self._follow_verify(plan.spec)
                 elif plan.decode:
                     if self.leads:
                         self._lead_burst(sink, plan.join[0] if plan.join else None)

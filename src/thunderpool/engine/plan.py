@@ -57,14 +57,16 @@ class StepPlan:
     decode: bool = False
     # probe: (shape, repeats, op); solo: (prompt, steps[, rows, width]); park: wake address
     args: tuple = ()
-    spec: int = 0  # > 0: the decode is a speculative verify burst of up to `spec` drafts
+    # Speculation, the scheduler's choice: each row's most drafts per verify step (0: the row
+    # takes one token of its own sampler per step); empty: plain decode steps.
+    spec: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.op not in OPS:
             raise ValueError(f"unknown plan op {self.op!r}; one of {OPS}")
         if self.join and (self.prefill is None or self.join != (self.prefill.sid,)):
             raise ValueError(f"join={self.join} must be the sid of a prefill's last chunk")
-        if self.spec and not (self.decode and self.spec > 0):
+        if self.spec and not (self.decode and max(self.spec) > 0 and min(self.spec) >= 0):
             raise ValueError(f"spec={self.spec} needs decode and a positive draft length")
 
     def encode(self) -> bytes:
@@ -89,7 +91,7 @@ class StepPlan:
         if self.args:
             d["args"] = list(self.args)
         if self.spec:
-            d["spec"] = self.spec
+            d["spec"] = list(self.spec)
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
@@ -115,7 +117,7 @@ class StepPlan:
             join=tuple(int(s) for s in d.get("join", ())),
             decode=bool(d.get("dec")),
             args=tuple(d.get("args", ())),
-            spec=int(d.get("spec", 0)),
+            spec=tuple(int(k) for k in d.get("spec", ())),
         )
 
 

@@ -8,7 +8,8 @@ step must be the burst's last when a row is done for sure by max_tokens/max_cont
 step's token is in, a row already finished (eos, cancelled), or a request could join. Rows that
 finished mid-burst get their extra tokens discarded by `postprocess`. With a prefix cache
 (prefix.py), a request starts prefilling after its longest cached prefix, and its prompt's KV is
-kept when its last chunk runs.
+kept when its last chunk runs. With a draft (speculation), each decode plan names every row's
+most drafts per verify step (`_speculation`), and the burst asks `spec_budget()` instead.
 """
 
 from __future__ import annotations
@@ -50,6 +51,19 @@ class Emitted:
     cached_tokens: int = 0  # of prompt_tokens, reused from the prefix cache
 
 
+@dataclass(slots=True)
+class Speculation:
+    """What the scheduler needs to decide speculation: the leader's draft (its `k` and
+    `max_rows`, read at each plan) and whether a batch's uneven rejected tails can be cut."""
+
+    drafter: object
+    trimmable: bool
+    max_rows: int  # for a draft that names no max_rows of its own (an MTP head)
+
+    def rows(self) -> int:
+        return getattr(self.drafter, "max_rows", self.max_rows)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -58,10 +72,12 @@ class Scheduler:
         max_context: int = 4096,
         eos: frozenset[int] | set[int] = frozenset(),
         prefix: PrefixIndex | None = None,
+        speculation: Speculation | None = None,
     ):
         self.prefill_chunk, self.max_batch, self.max_context = prefill_chunk, max_batch, max_context
         self.eos = set(eos)
         self.prefix = prefix
+        self.speculation = speculation  # None: plain decode steps only
         self.waiting: deque[Request] = deque()
         self.prefilling: Request | None = None
         self.active: list[Request] = []  # the batch rows, in row order
@@ -145,16 +161,35 @@ class Scheduler:
                     self.active.append(req)
         if prefill is None and not self.active and not drop:
             return None
-        return StepPlan(drop=tuple(drop), prefill=prefill, join=join, decode=bool(self.active))
+        decode = bool(self.active)
+        spec = self._speculation() if decode else ()
+        return StepPlan(drop=tuple(drop), prefill=prefill, join=join, decode=decode, spec=spec)
+
+    def _speculation(self) -> tuple[int, ...]:
+        """Each row's most drafts per verify step: the draft's k for rows whose sampling the
+        accept rule keeps exact (SamplingParams.speculable), 0 for the others (one token of
+        their own sampler per step); none for more than the draft's max_rows rows, for a
+        batch whose caches cannot cut uneven tails, or when no row can speculate."""
+        s = self.speculation
+        rows = self.active
+        if s is None or not 0 < len(rows) <= s.rows():
+            return ()
+        if len(rows) > 1 and not s.trimmable:
+            return ()
+        spec = tuple(s.drafter.k if r.params.speculable else 0 for r in rows)
+        return spec if any(spec) else ()
+
+    def _must_end(self, news: bool) -> bool:
+        """The burst's rule: end when a request could join (`news`: one waits in the inbox)
+        or a prompt is being prefilled."""
+        room = len(self.active) < self.max_batch
+        return (room and (news or bool(self.waiting))) or self.prefilling is not None
 
     def last_step(self, news: bool = False) -> bool:
         """Called once before each decode step is issued: whether it must be the burst's last.
         `news`: a request waits to join. Counts the step as issued."""
-        room = len(self.active) < self.max_batch
-        last = (
-            (room and (news or bool(self.waiting)))
-            or self.prefilling is not None
-            or any(r.finished or self._at_limit(r, r.issued + 1) for r in self.active)
+        last = self._must_end(news) or any(
+            r.finished or self._at_limit(r, r.issued + 1) for r in self.active
         )
         for r in self.active:
             r.issued += 1
@@ -175,10 +210,7 @@ class Scheduler:
             )
             for r in self.active
         }
-        last = (len(self.active) < self.max_batch and (news or bool(self.waiting))) or (
-            self.prefilling is not None
-        )
-        return last, rooms
+        return self._must_end(news), rooms
 
     def postprocess(self, sids: list[int], tokens: list[int]) -> list[Emitted]:
         """Tokens delivered for the rows `sids` (one decode step, or a first token)."""
