@@ -34,7 +34,8 @@ from testbed import AGENT_PORT, Testbed, available, node_cmd, wait_until  # noqa
 
 from thunderpool.bench.synthetic import synthetic_model  # noqa: E402
 from thunderpool.cluster.control.client import AgentClient, AgentError  # noqa: E402
-from thunderpool.cluster.control.coordinator import ClusterInstance, Coordinator  # noqa: E402
+from thunderpool.cluster.control.coordinator import Coordinator  # noqa: E402
+from thunderpool.cluster.control.instance import ClusterInstance  # noqa: E402
 from thunderpool.cluster.weights.routes import RemoveShards  # noqa: E402
 from thunderpool.engine.job import RankJob, TraceTask  # noqa: E402
 

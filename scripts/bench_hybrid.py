@@ -25,14 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "clust
 from testbed import AGENT_PORT, Testbed, available, node_cmd, wait_until  # noqa: E402
 
 from thunderpool.cluster.control.client import AgentError  # noqa: E402
-from thunderpool.cluster.control.coordinator import (  # noqa: E402
-    ClusterInstance,
-    Coordinator,
-    node_specs,
-    plan_layout,
-)
+from thunderpool.cluster.control.coordinator import Coordinator, node_specs  # noqa: E402
+from thunderpool.cluster.control.instance import ClusterInstance  # noqa: E402
 from thunderpool.engine.job import BenchTask, RankJob  # noqa: E402
 from thunderpool.models.source import resolve_model  # noqa: E402
+from thunderpool.parallel.layout import Layout  # noqa: E402
 from thunderpool.planner.placement import place  # noqa: E402
 from thunderpool.planner.spec import model_spec  # noqa: E402
 
@@ -104,10 +101,10 @@ def main() -> int:
                 or (kind == "tp" and pl.kind == kind and set(pl.nodes) == set(order))
             ]
             if match:
-                layouts[name], predicted[name] = plan_layout(match[0]), match[0].prediction
+                layouts[name], predicted[name] = match[0].layout(), match[0].prediction
             else:
-                layouts[name] = {"tp": {"parallel": "tp"}, "pp": {"parallel": "pp"}}.get(
-                    kind, {"parallel": "hybrid", "groups": (2, 2)}
+                layouts[name] = {"tp": Layout("tp"), "pp": Layout("pp")}.get(
+                    kind, Layout("hybrid", groups=(2, 2))
                 )
                 predicted[name] = None
         if args.plan_only:
@@ -121,7 +118,7 @@ def main() -> int:
         task = BenchTask(prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, repeats=1)
         for r in range(args.rounds):
             for name in wanted if r % 2 == 0 else list(wanted)[::-1]:
-                job = RankJob(model_dir="", world_size=4, task=task, **layouts[name])
+                job = RankJob(model_dir="", world_size=4, task=task, layout=layouts[name])
                 bench = None
                 with ClusterInstance(coord, state, order, job, timeout=600) as inst:
                     for ev in inst.events():

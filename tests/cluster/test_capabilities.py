@@ -14,9 +14,9 @@ from recorded.replay import RECORDED, Replay
 
 from thunderpool import __version__
 from thunderpool.cluster.control.messages import Interface
-from thunderpool.cluster.node.capabilities import (
+from thunderpool.cluster.node.capabilities import node_info
+from thunderpool.cluster.node.facts import (
     backends,
-    node_info,
     parse_cpuinfo,
     parse_hardware_ports,
     parse_ibv_devices,
@@ -162,7 +162,7 @@ def test_agents_on_one_machine_measure_one_at_a_time(tmp_path):
     import sys
     import threading
 
-    from thunderpool.cluster.node.capabilities import measuring_alone
+    from thunderpool.cluster.node.measure import measuring_alone
 
     lock = tmp_path / "measure.lock"
     code = (
@@ -265,7 +265,7 @@ def test_node_host_id_flag_then_environment(monkeypatch):
 def test_memory_is_capped_by_the_cgroup_limit(tmp_path):
     """A container started with --memory 8g on a 64 GiB machine reports 8 GiB, and as free
     what its cgroup has left (page cache it can drop counts as free); no limit: /proc/meminfo."""
-    from thunderpool.cluster.node.capabilities import cgroup_memory
+    from thunderpool.cluster.node.facts import cgroup_memory
 
     total, free = 64 * 2**30, 50 * 2**30
     assert cgroup_memory(tmp_path, total, free) == (total, free)  # no cgroup files

@@ -18,12 +18,9 @@ from thunderpool.cluster.node.doctor import (
     check_thunderbolt,
     parse_peer,
     parse_thunderbolt_ports,
-    probe_jaccl,
-    probe_working_set,
     run_checks,
-    try_bind,
-    try_connect,
 )
+from thunderpool.cluster.node.probes import probe_jaccl, probe_working_set, try_bind, try_connect
 
 MLX_OK = ("0.32.4", True, "")
 BLIS_PATH = "/usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4"

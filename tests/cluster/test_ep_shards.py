@@ -14,7 +14,8 @@ from conftest import TINY, make_tiny
 from mlx.utils import tree_flatten
 from test_shards import FakeGroup, _kept
 
-from thunderpool.cluster.weights.shards import RankLayout, geometry, index_model, rank_pieces
+from thunderpool.cluster.weights.pieces import RankLayout, rank_pieces
+from thunderpool.cluster.weights.shards import geometry, index_model
 from thunderpool.engine.loader import SHARD_MANIFEST, Layout, load_shard
 from thunderpool.parallel import experts, vocab
 

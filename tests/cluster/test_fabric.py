@@ -21,12 +21,14 @@ from testbed import wait_until
 
 from thunderpool.cluster.control.agent import Agent, create_agent_app
 from thunderpool.cluster.control.auth import Identity, sign
-from thunderpool.cluster.control.coordinator import ClusterInstance, Coordinator
+from thunderpool.cluster.control.coordinator import Coordinator
+from thunderpool.cluster.control.instance import ClusterInstance
 from thunderpool.cluster.control.ranks import RankManager
+from thunderpool.cluster.weights.pieces import RankLayout, rank_pieces
 from thunderpool.cluster.weights.routes import FetchShards, RemoveShards
-from thunderpool.cluster.weights.shards import RankLayout, geometry, index_model, rank_pieces
+from thunderpool.cluster.weights.shard_files import encode
+from thunderpool.cluster.weights.shards import geometry, index_model
 from thunderpool.cluster.weights.source import ModelSource
-from thunderpool.cluster.weights.transfer import encode
 from thunderpool.engine.job import RankJob, TraceTask
 from thunderpool.errors import ModelError
 from thunderpool.models.source import resolve_model
@@ -183,7 +185,7 @@ def test_ep2_as_planned_fetches_only_its_experts_and_matches_one_rank(
 ):
     """The planner's EP plan, launched over the fabric: node b is sent its attention slices
     and only its own experts' tensors (per-expert checkpoint), and decodes as one rank does."""
-    from thunderpool.planner.cost import LinkSpec, NodeSpec
+    from thunderpool.planner.hardware import LinkSpec, NodeSpec
     from thunderpool.planner.placement import place
     from thunderpool.planner.spec import model_spec
 

@@ -11,8 +11,9 @@ import pytest
 from conftest import run_trace, tiny_prompts
 from test_fabric import loaded_bytes, pair, received  # noqa: F401  (pair: the two agents)
 
-from thunderpool.cluster.control.coordinator import ClusterInstance
-from thunderpool.cluster.weights.shards import RankLayout, geometry, index_model, rank_pieces
+from thunderpool.cluster.control.instance import ClusterInstance
+from thunderpool.cluster.weights.pieces import RankLayout, rank_pieces
+from thunderpool.cluster.weights.shards import geometry, index_model
 from thunderpool.engine.job import RankJob, TraceTask
 
 pytestmark = pytest.mark.timeout(600)

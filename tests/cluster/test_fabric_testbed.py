@@ -25,9 +25,11 @@ from testbed import AGENT_PORT as PORT
 from testbed import Testbed, available, node_cmd, wait_until
 
 from thunderpool.cluster.control.client import AgentClient, AgentError
-from thunderpool.cluster.control.coordinator import ClusterInstance, Coordinator
+from thunderpool.cluster.control.coordinator import Coordinator
+from thunderpool.cluster.control.instance import ClusterInstance
 from thunderpool.cluster.weights.routes import Locate, RemoveShards
-from thunderpool.cluster.weights.transfer import TIMEOUT_ENV, encode
+from thunderpool.cluster.weights.shard_files import encode
+from thunderpool.cluster.weights.transfer import TIMEOUT_ENV
 from thunderpool.engine.job import RankJob, TraceTask
 from thunderpool.models.source import default_gguf_path, resolve_model
 

@@ -27,7 +27,7 @@ from thunderpool.cluster.control.client import AgentClient
 from thunderpool.cluster.control.probe import ProbeServer, measure
 from thunderpool.cluster.control.ranks import RankManager
 from thunderpool.engine import link
-from thunderpool.engine.link_server import LeaderServer
+from thunderpool.engine.link import LeaderServer
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.service import Delta
 

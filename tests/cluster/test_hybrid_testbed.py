@@ -13,7 +13,8 @@ from testbed import AGENT_PORT as PORT
 from testbed import Testbed, available, node_cmd, wait_until
 
 from thunderpool.cluster.control.client import AgentError
-from thunderpool.cluster.control.coordinator import ClusterInstance, Coordinator, handoff_addresses
+from thunderpool.cluster.control.coordinator import Coordinator, handoff_addresses
+from thunderpool.cluster.control.instance import ClusterInstance
 from thunderpool.engine.job import RankJob, TraceTask
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))

@@ -15,7 +15,8 @@ from testbed import AGENT_PORT as PORT
 from testbed import Testbed, available, node_cmd, wait_until
 
 from thunderpool.cluster.control.client import AgentError
-from thunderpool.cluster.control.coordinator import ClusterInstance, Coordinator, node_specs
+from thunderpool.cluster.control.coordinator import Coordinator, node_specs
+from thunderpool.cluster.control.instance import ClusterInstance
 from thunderpool.engine.job import RankJob, TraceTask
 from thunderpool.planner.placement import place
 from thunderpool.planner.spec import model_spec

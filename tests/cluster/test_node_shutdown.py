@@ -14,7 +14,8 @@ import pytest
 from procs import listening, workers_under
 
 from thunderpool.cluster.control.client import AgentError
-from thunderpool.cluster.control.coordinator import ClusterInstance, Coordinator
+from thunderpool.cluster.control.coordinator import Coordinator
+from thunderpool.cluster.control.instance import ClusterInstance
 from thunderpool.engine.job import RankJob, ServeTask
 
 TOKEN = "shutdown-token-123"

@@ -105,7 +105,7 @@ def test_tp_pieces_are_exactly_what_each_rank_keeps(tmp_path, quantized):
     from conftest import TINY
     from mlx_lm.utils import _get_classes, load_model, quantize_model, save_config, save_model
 
-    from thunderpool.cluster.weights.shards import RankLayout, rank_pieces
+    from thunderpool.cluster.weights.pieces import RankLayout, rank_pieces
     from thunderpool.parallel import tensor, vocab
 
     config = {**TINY["qwen3_moe"], "moe_intermediate_size": 96}
@@ -148,7 +148,7 @@ def test_tp3_source_cuts_are_the_loaders_cuts_for_every_width(fmt, tmp_path):
     from mlx.utils import tree_flatten
     from quant_formats import make_base, make_quantized
 
-    from thunderpool.cluster.weights.shards import RankLayout, rank_pieces
+    from thunderpool.cluster.weights.pieces import RankLayout, rank_pieces
     from thunderpool.engine.loader import build_lazy
     from thunderpool.parallel import tensor
 

@@ -19,8 +19,8 @@ from families import make_family
 from test_compiled import check
 
 from thunderpool.engine import kmajor
-from thunderpool.engine.fused import Joined
 from thunderpool.engine.loader import Layout, load_shard
+from thunderpool.engine.projections import Joined
 
 TOL = 1e-5
 KINDS = ("llama", "qwen2", "qwen3")  # qwen2: biases; qwen3: q/k norms between the parts

@@ -53,7 +53,7 @@ def alone(hd64):
 
 @pytest.mark.slow
 def test_8bit_cache_agrees_with_the_plain_cache_on_smollm2(tmp_path):
-    from thunderpool.cluster.node.capabilities import rank_env
+    from thunderpool.cluster.node.measure import rank_env
 
     out = tmp_path / "agreement.json"
     script = Path(__file__).with_name("kv_agreement.py")

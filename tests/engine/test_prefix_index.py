@@ -102,7 +102,7 @@ def test_nothing_is_reused_without_room(budget):
 
 
 def test_planner_counts_the_prefix_cache_as_kv():
-    from thunderpool.planner.cost import NodeSpec
+    from thunderpool.planner.hardware import NodeSpec
     from thunderpool.planner.placement import PlacementError, place
     from thunderpool.planner.spec import model_spec_from_config
 

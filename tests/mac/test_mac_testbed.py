@@ -19,7 +19,8 @@ from testbed import AGENT_PORT as PORT  # tests/cluster, on the path once mac_te
 from testbed import available, wait_until
 
 from thunderpool.cluster.control.client import AgentError
-from thunderpool.cluster.control.coordinator import ClusterInstance, Coordinator
+from thunderpool.cluster.control.coordinator import Coordinator
+from thunderpool.cluster.control.instance import ClusterInstance
 from thunderpool.cluster.control.jaccl import jaccl_config
 from thunderpool.engine.job import RankJob, TraceTask
 

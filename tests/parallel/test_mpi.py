@@ -16,16 +16,11 @@ import numpy as np
 import pytest
 from conftest import run_trace, tiny_prompts
 
+from thunderpool.cli.flags import resolve_backend
 from thunderpool.engine.job import RankJob, TraceTask
 from thunderpool.errors import LaunchError
 from thunderpool.launch import mpi
-from thunderpool.launch.mpi import (
-    MpiInstance,
-    mpi_command,
-    resolve_backend,
-    session_pids,
-    tail_lines,
-)
+from thunderpool.launch.mpi import MpiInstance, mpi_command, session_pids, tail_lines
 
 needs_mpi = pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (openmpi-bin)")
 

@@ -24,7 +24,7 @@ from thunderpool.models.families import (
     guard,
     unverified,
 )
-from thunderpool.planner.cost import LinkSpec, NodeSpec
+from thunderpool.planner.hardware import LinkSpec, NodeSpec
 from thunderpool.planner.placement import place
 from thunderpool.planner.spec import model_spec_from_config
 

@@ -12,8 +12,7 @@ import threading
 
 import pytest
 
-from thunderpool.engine.link import FrameError
-from thunderpool.engine.link_server import LeaderServer
+from thunderpool.engine.link import FrameError, LeaderServer
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.engine.service import Delta, EngineInfo
 from thunderpool.serving.gateway import Gateway

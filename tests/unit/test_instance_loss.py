@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from thunderpool.cluster.control.coordinator import ClusterInstance
+from thunderpool.cluster.control.instance import ClusterInstance
 from thunderpool.errors import LaunchError
 
 

@@ -20,9 +20,9 @@ import pytest
 from thunderpool.engine.loader import Layout, build_lazy, preflight
 from thunderpool.errors import ShardingError
 from thunderpool.parallel import tensor
+from thunderpool.parallel.heads import HeadShare, split_heads
 from thunderpool.parallel.packing import Packing, head_unit
 from thunderpool.parallel.slicing import slice_cols
-from thunderpool.parallel.tensor import HeadShare, split_heads
 
 AFFINE = [("affine", bits, group) for bits in (2, 3, 4, 5, 6, 8) for group in (32, 64, 128)]
 FORMATS = AFFINE + [("mxfp4", 4, 32), ("nvfp4", 4, 16), ("mxfp8", 8, 32)]

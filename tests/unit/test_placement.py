@@ -4,7 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from thunderpool.planner.cost import LinkSpec, NodeSpec, Stage, predict
+from thunderpool.planner.cost import Stage, predict
+from thunderpool.planner.hardware import LinkSpec, NodeSpec
 from thunderpool.planner.placement import PlacementError, explain, place
 from thunderpool.planner.spec import kv_element_bytes, model_spec_from_config
 

@@ -3,7 +3,8 @@
 import pytest
 
 from thunderpool.errors import ThunderpoolError
-from thunderpool.planner.cost import LinkSpec, NodeSpec, Stage, predict, shares
+from thunderpool.planner.cost import Stage, predict, shares
+from thunderpool.planner.hardware import LinkSpec, NodeSpec
 from thunderpool.planner.spec import model_spec_from_config
 
 GiB = 2**30

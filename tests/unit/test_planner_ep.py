@@ -73,8 +73,8 @@ def test_measured_routing_prices_the_imbalance_and_replicas_relieve_it():
     60% of every MoE layer's routes make EP's slowest rank slower than uniform routing does;
     copying them onto rank 1 (plan_replicas) brings the imbalance back down, costs 16
     experts' bytes per layer on rank 1, and place() prices what predict_ep does."""
-    from thunderpool.planner.ep import plan_replicas
     from thunderpool.planner.placement import place
+    from thunderpool.planner.replicas import plan_replicas
 
     spec = load_model("qwen3-30b-a3b")
     cluster = parse_cluster("2x m3-ultra-512@tb5-rdma")
@@ -154,7 +154,7 @@ def test_replicate_experts_reads_the_counts_next_to_the_model(tmp_path, capsys):
     from thunderpool.cli import main
     from thunderpool.errors import ModelError
     from thunderpool.parallel.routing import ROUTING_FILE, RoutingCounts
-    from thunderpool.planner.ep import expert_replicas, plan_replicas
+    from thunderpool.planner.replicas import expert_replicas, plan_replicas
 
     model_dir = make_tiny("qwen3_moe", tmp_path / "moe")
     with pytest.raises(ModelError, match="thunderpool route-counts --model"):

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from thunderpool.cli import main
-from thunderpool.planner.cost import LinkSpec, NodeSpec
+from thunderpool.planner.hardware import LinkSpec, NodeSpec
 from thunderpool.planner.presets import (
     Cluster,
     Link,

@@ -8,7 +8,8 @@ from conftest import SMOLLM2
 
 from thunderpool.bench.synthetic import PRESETS
 from thunderpool.errors import ThunderpoolError
-from thunderpool.planner.cost import NodeSpec, Stage, kv_read_bytes, predict, shares
+from thunderpool.planner.cost import Stage, kv_read_bytes, predict, shares
+from thunderpool.planner.hardware import NodeSpec
 from thunderpool.planner.presets import (
     live_op_latency_s,
     live_row_op_latency_s,

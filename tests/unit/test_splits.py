@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from thunderpool.errors import ShardingError
+from thunderpool.parallel.heads import HeadShare, proportional_split, split_heads
 from thunderpool.parallel.pipeline import split_layers
-from thunderpool.parallel.tensor import HeadShare, proportional_split, split_heads
 
 
 def test_proportional_split_even_and_weighted():

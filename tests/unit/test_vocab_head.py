@@ -13,7 +13,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from thunderpool.parallel.tensor import proportional_split
+from thunderpool.parallel.heads import proportional_split
 from thunderpool.parallel.vocab import HeadRows, SplitEmbedding, SplitHead, split_vocab
 
 VOCAB, HIDDEN = 200, 64

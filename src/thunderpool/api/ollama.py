@@ -11,7 +11,7 @@ import json
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -21,90 +21,25 @@ from thunderpool import __version__
 from thunderpool.api import openapi
 from thunderpool.api.conversation import Admitted, Conversation, Finish, admit
 from thunderpool.api.errors import APIError, bad_request
+from thunderpool.api.ollama_wire import (
+    OllamaChatRequest,
+    OllamaChatResponse,
+    OllamaError,
+    OllamaGenerateRequest,
+    OllamaGenerateResponse,
+    ShowRequest,
+    _Generating,
+)
 from thunderpool.api.schemas import SamplingFields
 from thunderpool.api.sse import EventStream, until_disconnect
 from thunderpool.api.tools import Call, Text, function_tool
 from thunderpool.api.turns import collect_turn, turn
-from thunderpool.api.wire import Strict, parse
+from thunderpool.api.wire import parse
 from thunderpool.engine.service import EngineClient
 
 CLIENT_CLOSED = 499
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's own
 OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "seed", "stop", "num_ctx"}
-
-
-class OllamaFunction(Strict):
-    name: str
-    arguments: dict[str, Any]
-    index: int | None = None
-
-
-class OllamaToolCall(Strict):
-    function: OllamaFunction
-
-
-class OllamaMessage(Strict):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | None = None
-    tool_calls: list[OllamaToolCall] | None = None
-    tool_name: str | None = None
-    images: list[Any] | None = None
-    thinking: str | None = None
-
-
-class _Generating(Strict):
-    model: str
-    stream: bool | None = None
-    options: dict[str, Any] | None = None
-    format: Any = None
-    keep_alive: float | int | str | None = None  # the served model stays loaded regardless
-    think: bool | str | None = None
-
-
-class OllamaChatRequest(_Generating):
-    messages: list[OllamaMessage] | None = None
-    tools: list[Any] | None = None
-
-
-class OllamaGenerateRequest(_Generating):
-    prompt: str | None = None
-    system: str | None = None
-    raw: bool | None = None
-    suffix: str | None = None
-    template: str | None = None
-    context: list[int] | None = None
-    images: list[Any] | None = None
-
-
-class ShowRequest(Strict):
-    model: str
-    verbose: bool | None = None
-
-
-class OllamaError(BaseModel):
-    error: str
-
-
-class OllamaMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-    tool_calls: list[dict[str, Any]] | None = None
-
-
-class OllamaChatResponse(BaseModel):
-    model: str
-    created_at: str
-    message: OllamaMessageOut
-    done: bool
-    done_reason: str | None = None
-
-
-class OllamaGenerateResponse(BaseModel):
-    model: str
-    created_at: str
-    response: str
-    done: bool
-    done_reason: str | None = None
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -272,7 +207,6 @@ async def lines(engine: EngineClient, a: Admitted, chat: bool) -> AsyncGenerator
 def mount(
     app: FastAPI, engine: EngineClient, require_key: Callable[[Request], None], keyed: bool
 ) -> None:
-    served = engine.info.model
 
     def ollama_errors(handler: Callable[[Request], Awaitable[Response]]):
         async def wrapped(request: Request) -> Response:
@@ -291,6 +225,14 @@ def mount(
         errors=(400, 404, 503),
     ):
         return openapi.route(ok, errors, body, example, guarded=keyed, error="OllamaError")
+
+    _mount_generation(app, engine, ollama_errors, doc)
+    _mount_info(app, engine, ollama_errors, doc)
+
+
+def _mount_generation(app: FastAPI, engine: EngineClient, ollama_errors, doc) -> None:
+    """/api/chat and /api/generate: NDJSON lines, or one body."""
+    served = engine.info.model
 
     async def answer(request: Request, conv: Conversation, chat: bool) -> Response:
         admitted = await admit(engine, conv, "ollama-")
@@ -355,6 +297,11 @@ def mount(
             body = {"model": served, "created_at": _now(), "response": ""}
             return JSONResponse({**body, "done": True, "done_reason": "load"})
         return await answer(request, generate_conversation(req), chat=False)
+
+
+def _mount_info(app: FastAPI, engine: EngineClient, ollama_errors, doc) -> None:
+    """/api/tags, /api/show and /api/version: what an Ollama client asks before it chats."""
+    served = engine.info.model
 
     def details() -> dict[str, Any]:
         family = str(engine.info.cluster.get("model_type") or "")

@@ -96,9 +96,36 @@ def create_app(
     require_key = api_key_guard(api_key)
     guarded = [Depends(require_key)]
     doc = partial(openapi.route, guarded=api_key is not None)
+    http_counts: Counter[tuple[str, int]] = Counter()
+
+    _mount_openai(app, engine, guarded, doc)
+    _mount_status(app, engine, guarded, doc, history, latencies, http_counts)
+    anthropic.mount(app, engine, require_key, api_key is not None)
+    ollama.mount(app, engine, require_key, api_key is not None)
+    responses.mount(app, engine, guarded, api_key is not None)
+    openapi.install(app, api_key is not None, WIRE_MODELS)
+    install_error_handlers(app)
+    # "/" is the dashboard's, mounted by the caller after this returns.
+    known = frozenset(r.path for r in app.routes if "{" not in getattr(r, "path", "{")) | {"/"}
+    app.add_middleware(HTTPCounter, known=known, counts=http_counts)
+    app.add_middleware(AccessLog)
+    if cors_origins:
+        # Outermost, so a preflight is answered before the key or the route is looked at.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["Retry-After"],
+        )
+    return app
+
+
+def _mount_openai(app: FastAPI, engine: EngineClient, guarded: list, doc) -> None:
+    """/v1/chat/completions and /v1/completions: each request a Conversation, rendered by
+    openai_chat.py or openai_text.py."""
     generating = (400, 404, 503)  # what a completion answers besides 200 (and 401)
     hello = {"model": engine.info.model, "max_tokens": 16}  # the documented examples' start
-    http_counts: Counter[tuple[str, int]] = Counter()
 
     async def answer(request: Request, conv: Conversation, prefix: str, api) -> Response:
         """An OpenAI answer (chat or text, `api`'s renderers) of the conversation's choices:
@@ -139,6 +166,18 @@ def create_app(
         prompts.check_model(req.model, engine.info.model)
         prompts.check_supported(req)
         return await answer(request, openai_text.to_conversation(req), "cmpl-", openai_text)
+
+
+def _mount_status(
+    app: FastAPI,
+    engine: EngineClient,
+    guarded: list,
+    doc,
+    history: History,
+    latencies: Latencies,
+    http_counts: Counter,
+) -> None:
+    """The model list, the cluster, health, /metrics and the dashboard's history."""
 
     def card() -> ModelCard:
         return ModelCard(id=engine.info.model, created=engine.info.created)
@@ -183,23 +222,3 @@ def create_app(
         if not history.points or time.time() - history.points[-1]["t"] >= EVERY_S:
             history.sample()  # no sampler runs without a lifespan (tests), or it lags
         return JSONResponse({"every_s": EVERY_S, "points": history.since(t)})
-
-    anthropic.mount(app, engine, require_key, api_key is not None)
-    ollama.mount(app, engine, require_key, api_key is not None)
-    responses.mount(app, engine, guarded, api_key is not None)
-    openapi.install(app, api_key is not None, WIRE_MODELS)
-    install_error_handlers(app)
-    # "/" is the dashboard's, mounted by the caller after this returns.
-    known = frozenset(r.path for r in app.routes if "{" not in getattr(r, "path", "{")) | {"/"}
-    app.add_middleware(HTTPCounter, known=known, counts=http_counts)
-    app.add_middleware(AccessLog)
-    if cors_origins:
-        # Outermost, so a preflight is answered before the key or the route is looked at.
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=list(cors_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["*"],
-            expose_headers=["Retry-After"],
-        )
-    return app

@@ -7,7 +7,8 @@ import statistics
 from rich.console import Console
 from rich.table import Table
 
-from thunderpool.cluster.control.coordinator import ClusterInstance, Coordinator
+from thunderpool.cluster.control.coordinator import Coordinator
+from thunderpool.cluster.control.instance import ClusterInstance
 from thunderpool.cluster.control.state import ClusterState
 from thunderpool.engine.job import BenchTask, RankJob
 from thunderpool.models.families import warn_untested

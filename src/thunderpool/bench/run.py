@@ -109,7 +109,7 @@ def run_bench(
     `groups` only); prints tables, writes JSON and plots (to `json_out` and/or `out_dir`)."""
     from rich.console import Console
 
-    from thunderpool.bench.report import print_report, write_plots
+    from thunderpool.bench.report import print_report
 
     console = console or Console()
     counts = (nodes,) if isinstance(nodes, int) else tuple(nodes)
@@ -156,6 +156,15 @@ def run_bench(
         results["batching"] = bench_batching(
             model_dir, counts[-1], modes, prompt_tokens, max_tokens, concurrency, console
         )
+    _write(results, out_dir, json_out)
+    print_report(results, console)
+    return results
+
+
+def _write(results: dict, out_dir: Path | None, json_out: Path | None) -> None:
+    """The JSON and its two plots, into `out_dir` and/or beside `json_out`."""
+    from thunderpool.bench.report import write_plots
+
     files: list[tuple[Path, Path, Path]] = []  # (JSON, scaling plot, breakdown plot)
     if out_dir is not None:
         d = Path(out_dir)
@@ -169,8 +178,6 @@ def run_bench(
     for data, scaling_png, breakdown_png in files:
         write_plots(results, scaling_png, breakdown_png)
         data.write_text(json.dumps(results, indent=2))
-    print_report(results, console)
-    return results
 
 
 def scaling(results: dict) -> dict:

@@ -2,39 +2,22 @@
 the same row free, on one rank, alternated, median of the repeats.
 
     thunderpool bench --constrained [--model M] [--max-tokens 64] [--repeats 3]
-    python -m thunderpool.bench.structured [--model DIR] [--tokens 64] [--repeats 3]
 
-Both rows decode exactly `--tokens` tokens (the engine is given no EOS; the schema forces a
+Both rows decode exactly `--max-tokens` tokens (the engine is given no EOS; the schema forces a
 string longer than that), so the two differ only by the grammar mask and its matcher.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import sys
 from pathlib import Path
 
-FAST_BLAS_MARK = "THUNDERPOOL_BENCH_BLAS_SET"
 SCHEMA = {
     "type": "object",
     "properties": {"story": {"type": "string", "minLength": 2000}},
     "required": ["story"],
 }
 PROMPT = "Write a long story about a cat, as JSON with one key, story."
-
-
-def _reexec_with_fast_blas() -> None:
-    """Rank processes preload BLIS/OpenBLAS; this in-process bench does the same."""
-    if os.environ.get(FAST_BLAS_MARK):
-        return
-    from thunderpool.launch.blas import fast_blas_env
-
-    env = {**os.environ, **fast_blas_env(), FAST_BLAS_MARK: "1"}
-    argv = [sys.executable, "-m", "thunderpool.bench.structured", *sys.argv[1:]]
-    os.execve(sys.executable, argv, env)
 
 
 def decode_tps(requests, prompt: list[int], params) -> float:
@@ -85,22 +68,3 @@ def constrained_cost(model_dir: Path, tokens: int = 64, repeats: int = 3) -> dic
         "median_tps": med,
         "cost": 1 - med["constrained"] / med["free"],
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=None, help="model dir (default: embedded)")
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args(argv)
-    if argv is None:
-        _reexec_with_fast_blas()
-    from thunderpool.models.source import resolve_model
-
-    source = args.model or resolve_model(None, progress=False)
-    print(json.dumps(constrained_cost(source, args.tokens, args.repeats), indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,10 +10,8 @@ from rich.table import Table
 
 from thunderpool.cli.connect import add_cluster_args, coordinator, measured_state
 from thunderpool.cli.jobs import prefix_cache_bytes
-from thunderpool.cluster.control.coordinator import (
-    ClusterInstance,
-    node_specs,
-)
+from thunderpool.cluster.control.coordinator import node_specs
+from thunderpool.cluster.control.instance import ClusterInstance
 from thunderpool.cluster.control.state import ClusterState
 from thunderpool.errors import ThunderpoolError
 
@@ -299,7 +297,7 @@ class ClusterPlanner:
 
 def _replicas(args: argparse.Namespace, split) -> tuple[tuple[int, int, int], ...]:
     """--replicate-experts on the planned EP ranks, from --routing's measured counts."""
-    from thunderpool.planner.ep import plan_replicas
+    from thunderpool.planner.replicas import plan_replicas
 
     routing = _routing(args)
     if routing is None or routing.experts != sum(split):

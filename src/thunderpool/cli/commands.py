@@ -21,7 +21,8 @@ def _mib(n: int | float) -> str:
 
 def _instance(args: argparse.Namespace, make_job, timeout: float | None):
     """Local ranks on this host, or the planned ranks across the cluster (--cluster)."""
-    from thunderpool.launch.mpi import local_instance, resolve_backend
+    from thunderpool.cli.flags import resolve_backend
+    from thunderpool.launch.mpi import local_instance
     from thunderpool.models.families import guard
     from thunderpool.models.source import resolve_model
 
@@ -187,7 +188,7 @@ def import_gguf(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    from thunderpool.launch.mpi import resolve_backend
+    from thunderpool.cli.flags import resolve_backend
 
     _same_blas_as_ranks()
     # The prefix cache's two-turn chat has its own default first turn.

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from thunderpool.errors import ThunderpoolError
+from thunderpool.errors import LaunchError, ThunderpoolError
+from thunderpool.launch import mpi
 
 
 def parse_ints(text: str) -> tuple[int, ...]:
@@ -234,3 +235,26 @@ def add_kv_bits(p: argparse.ArgumentParser) -> None:
         default=64,
         help="--kv-bits: values per scale and bias, along a head (default 64, as mlx-lm)",
     )
+
+
+def resolve_backend(args, world_size: int, serving: bool = False) -> str:
+    """The collective backend for local ranks: "auto" takes MPI's shared memory when Open MPI
+    is installed (it wins on one host, docs/benchmarks.md), else MLX ring; but `serving`
+    (a gateway streams beside the ranks) takes ring when the ranks fill every core: waiting
+    MPI ranks spin and starved the gateway (SSE stalls of seconds, docs/benchmarks.md), ring
+    ranks block. An explicit mpi is refused with --cluster (the planner picks jaccl or ring
+    per link) or without Open MPI."""
+    requested = getattr(args, "backend", "auto")
+    if getattr(args, "cluster", False):
+        if requested == "mpi":
+            raise LaunchError(
+                "--backend mpi is for ranks on this host; with --cluster the coordinator uses "
+                "jaccl over RDMA or ring over TCP; drop --backend"
+            )
+        return "ring"
+    if requested == "mpi":
+        mpi.find_mpi()  # module lookups: tests fake them there
+        return "mpi" if world_size > 1 else "ring"
+    if requested == "auto" and world_size > 1 and mpi.mpi_available():
+        return "ring" if serving and world_size >= mpi.cores_here() else "mpi"
+    return "ring"

@@ -55,7 +55,7 @@ def replica_fields(args: argparse.Namespace, model_dir: Path, nodes: int) -> dic
     copies = getattr(args, "replicate_experts", None)
     if not copies or nodes < 2:
         return {}
-    from thunderpool.planner.ep import expert_replicas
+    from thunderpool.planner.replicas import expert_replicas
 
     split = getattr(args, "expert_split", None)
     replicas = expert_replicas(

@@ -39,11 +39,12 @@ def check_exposure(host: str, api_key: str | None, insecure: bool) -> None:
 def serve_main(args: argparse.Namespace, console: Console) -> int:
     from mlx_lm.utils import load_tokenizer
 
+    from thunderpool.cli.flags import resolve_backend
     from thunderpool.cluster.control.remote_model import MARKER as REMOTE
     from thunderpool.config import api_key_from_env
     from thunderpool.engine.loader import read_config
     from thunderpool.engine.service import EngineInfo
-    from thunderpool.launch.mpi import LOCAL_BACKENDS, SERVE_RING_REASON, resolve_backend
+    from thunderpool.launch.mpi import LOCAL_BACKENDS, SERVE_RING_REASON
     from thunderpool.models.families import guard
     from thunderpool.models.source import resolve_model
     from thunderpool.serving.gateway import Gateway

@@ -66,7 +66,7 @@ class Counters:
 
 class TextRequests:
     """An engine (engine.py) behind the text edge: `submit(prompt, params, emit)` streams
-    Deltas to `emit`; what the engine link (link_server.py) and the tests drive."""
+    Deltas to `emit`; what the engine link (link.py) and the tests drive."""
 
     def __init__(self, engine, tokenizer, counters: Counters | None = None):
         self.engine, self.tokenizer, self.counters = engine, tokenizer, counters

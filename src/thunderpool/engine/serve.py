@@ -61,7 +61,7 @@ def serve(
         return
     from mlx_lm.utils import load_tokenizer
 
-    from thunderpool.engine.link_server import LeaderServer
+    from thunderpool.engine.link import LeaderServer
     from thunderpool.engine.prefix import budget_tokens
     from thunderpool.engine.sequence import Counters, TextRequests
 

@@ -1,21 +1,11 @@
-"""Speculative decoding in lockstep: a draft proposes up to k tokens per row (drafter.py),
-every rank verifies all rows in one forward of the sharded target, the leader accepts by the
-standard rule per row.
+"""Speculative decoding's rules, apart from the lockstep (engine/verify.py runs the verify
+steps): drafting a step's proposals (drafter.py's drafts, batched where the draft can), the
+accept rules, and the counts bench and /metrics read.
 
-With the draft whole on the leader, a verify burst (plan.spec = k) of B rows is a loop of
-exchanges of 2 + B(k+2) int32 (Control.share_ints) after each drafting: [go, n, trim of each
-row, t0 of each row, k drafts of each row]. With a draft sharded like the target, every rank
-drafts, so the exchange comes before the drafting and carries what the other ranks' drafts
-need instead of the drafts (`_header`); the draft tokens are shared per position as they are
-drawn. Either way every rank first cuts each row's rejected tail of the previous verify from
-its KV cache (batch.trim_rows; uneven tails become left padding); with go=1 it then runs the
-target on (B, n+1) tokens [t0, d1..dn]; go=0 ends the burst. So followers learn each accept
-decision one exchange later, and every rank issues the same collectives in the same order.
-Rows whose sampling the accept rule cannot keep exact (SamplingParams.speculable) ride along
-with k=0: their drafts are padding, cut again, and their own sampler draws one token from
-position 0. Batches of more than Drafter.max_rows rows decode plainly (choose_k). Accept rules
-follow Leviathan et al. 2023 (greedy: longest agreeing prefix plus the target's own next
-token; sampling: accept d with min(1, p(d)/q(d)), else draw from (p-q)+).
+Accept rules follow Leviathan et al. 2023 (greedy: longest agreeing prefix plus the target's
+own next token; sampling: accept d with min(1, p(d)/q(d)), else draw from (p-q)+). Rows whose
+sampling the accept rule cannot keep exact (SamplingParams.speculable) get no drafts from the
+scheduler; their own sampler draws one token from position 0.
 """
 
 from __future__ import annotations

@@ -93,29 +93,6 @@ def cores_here() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def resolve_backend(args, world_size: int, serving: bool = False) -> str:
-    """The collective backend for local ranks: "auto" takes MPI's shared memory when Open MPI
-    is installed (it wins on one host, docs/benchmarks.md), else MLX ring; but `serving`
-    (a gateway streams beside the ranks) takes ring when the ranks fill every core: waiting
-    MPI ranks spin and starved the gateway (SSE stalls of seconds, docs/benchmarks.md), ring
-    ranks block. An explicit mpi is refused with --cluster (the planner picks jaccl or ring
-    per link) or without Open MPI."""
-    requested = getattr(args, "backend", "auto")
-    if getattr(args, "cluster", False):
-        if requested == "mpi":
-            raise LaunchError(
-                "--backend mpi is for ranks on this host; with --cluster the coordinator uses "
-                "jaccl over RDMA or ring over TCP; drop --backend"
-            )
-        return "ring"
-    if requested == "mpi":
-        find_mpi()
-        return "mpi" if world_size > 1 else "ring"
-    if requested == "auto" and world_size > 1 and mpi_available():
-        return "ring" if serving and world_size >= cores_here() else "mpi"
-    return "ring"
-
-
 def mpi_available() -> bool:
     try:
         find_mpi()

@@ -22,7 +22,8 @@ import numpy as np
 
 from thunderpool.errors import ShardingError
 from thunderpool.parallel import tensor
-from thunderpool.parallel.tensor import SumAfter, _mlp_of, proportional_split
+from thunderpool.parallel.heads import proportional_split
+from thunderpool.parallel.tensor import SumAfter, _mlp_of
 from thunderpool.parallel.vocab import RowReader
 
 # Where MoE blocks keep their stacked experts: qwen/deepseek/glm/mixtral, gpt-oss.

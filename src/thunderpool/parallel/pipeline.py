@@ -41,7 +41,7 @@ def split_layers(
         raise ShardingError(f"--layer-split parts must be positive, got {split}")
     if sum(split) != n_layers:
         # Weights, not counts: scale to the layer count, at least one layer each.
-        from thunderpool.parallel.tensor import proportional_split
+        from thunderpool.parallel.heads import proportional_split
 
         return proportional_split(n_layers, [float(s) for s in split])
     bounds, start = [], 0

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from thunderpool.errors import ShardingError
-from thunderpool.parallel.tensor import proportional_split
+from thunderpool.parallel.heads import proportional_split
 
 _TENSORS = ("weight", "scales", "biases", "bias")
 

@@ -11,17 +11,15 @@ imbalance is a floor. An EP rank also reads the route mask on the host once per 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 
-from thunderpool.errors import ModelError
 from thunderpool.parallel.experts import route_holders, split_experts
 from thunderpool.planner import cost
-from thunderpool.planner.cost import LinkSpec, NodeSpec, Prediction, Stage
+from thunderpool.planner.cost import Prediction, Stage
+from thunderpool.planner.hardware import LinkSpec, NodeSpec
 from thunderpool.planner.spec import ModelSpec
 
 
@@ -131,6 +129,69 @@ def route_shares(
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class _ExpertTimes:
+    """Seconds of one forward's routed experts on a stage, under TP and under EP."""
+
+    spec: ModelSpec
+    shares: list
+    runs: list
+    experts: list[int]  # routed experts per rank (EP)
+    moe: list[int]  # the stage's MoE layers
+    per_expert: float  # bytes of one expert, all layers
+    per_param: float  # bytes per parameter
+    pops: dict  # each MoE layer's measured route shares, or None
+    reps: dict  # each MoE layer's (expert, rank) copies
+
+    def __call__(self, batch: int) -> tuple[float, float, float]:
+        """(TP's, EP's expected, EP's mean-rank) seconds of routed experts in one forward."""
+        spec, shares, runs, experts = self.spec, self.shares, self.runs, self.experts
+        per_expert, per_param = self.per_expert, self.per_param
+        if any(self.pops.values()) or any(self.reps.values()):
+            return self.measured(batch)
+        touched = spec.experts * (1 - (1 - spec.experts_per_tok / spec.experts) ** batch)
+        flops = 2 * batch * spec.experts_per_tok * per_expert / per_param  # all ranks together
+        tp_s = max(
+            max(s.mlp * touched * per_expert / r.mem_bw_Bps, s.mlp * flops / r.flops)
+            for s, r in zip(shares, runs, strict=True)
+        )
+        # Memory-bound: the experts touched on the slowest rank; compute: its share of routes.
+        worst, mean = expert_load(
+            spec.experts,
+            spec.experts_per_tok,
+            experts,
+            batch,
+            [r.mem_bw_Bps / per_expert for r in runs],
+        )
+        flop_s = max(n / spec.experts * flops / r.flops for n, r in zip(experts, runs, strict=True))
+        return tp_s, max(worst, flop_s), max(mean, flop_s)
+
+    def measured(self, batch: int) -> tuple[float, float, float]:
+        """The same, layer by layer: each waits for its own slowest rank."""
+        spec, shares, runs, experts = self.spec, self.shares, self.runs, self.experts
+        per_expert, per_param, moe = self.per_expert, self.per_param, self.moe
+        pops, reps = self.pops, self.reps
+        k, n_moe = spec.experts_per_tok, max(1, len(moe))
+        flops = 2 * batch * k * per_expert / per_param
+        tp_bytes = worst = mean = 0.0
+        routes = np.zeros(len(runs))
+        for i in moe:
+            size = spec.expert_bytes_per_layer[i] / spec.experts
+            w = np.asarray(pops[i] or [1.0] * spec.experts, dtype=np.float64)
+            w = w / w.sum()
+            tp_bytes += size * float(np.sum(1 - (1 - np.minimum(1.0, k * w)) ** batch))
+            rates = [r.mem_bw_Bps / size for r in runs]
+            load = expert_load(spec.experts, k, experts, batch, rates, 256, 0, pops[i], reps[i])
+            worst, mean = worst + load[0], mean + load[1]
+            routes += route_shares(experts, pops[i], reps[i]) / n_moe
+        tp_s = max(
+            max(s.mlp * tp_bytes / r.mem_bw_Bps, s.mlp * flops / r.flops)
+            for s, r in zip(shares, runs, strict=True)
+        )
+        flop_s = max(x * flops / r.flops for x, r in zip(routes, runs, strict=True))
+        return tp_s, max(worst, flop_s), max(mean, flop_s)
+
+
 def predict_ep(
     spec: ModelSpec,
     stage: Stage,
@@ -173,49 +234,7 @@ def predict_ep(
     pops = {i: (routing or {}).get(i) for i in moe}
     reps = {i: tuple((e, r) for layer, e, r in replicas if layer == i) for i in moe}
 
-    def expert_s(batch: int) -> tuple[float, float, float]:
-        """(TP's, EP's expected, EP's mean-rank) seconds of routed experts in one forward."""
-        if any(pops.values()) or any(reps.values()):
-            return measured_s(batch)
-        touched = spec.experts * (1 - (1 - spec.experts_per_tok / spec.experts) ** batch)
-        flops = 2 * batch * spec.experts_per_tok * per_expert / per_param  # all ranks together
-        tp_s = max(
-            max(s.mlp * touched * per_expert / r.mem_bw_Bps, s.mlp * flops / r.flops)
-            for s, r in zip(shares, runs, strict=True)
-        )
-        # Memory-bound: the experts touched on the slowest rank; compute: its share of routes.
-        worst, mean = expert_load(
-            spec.experts,
-            spec.experts_per_tok,
-            experts,
-            batch,
-            [r.mem_bw_Bps / per_expert for r in runs],
-        )
-        flop_s = max(n / spec.experts * flops / r.flops for n, r in zip(experts, runs, strict=True))
-        return tp_s, max(worst, flop_s), max(mean, flop_s)
-
-    def measured_s(batch: int) -> tuple[float, float, float]:
-        """expert_s, layer by layer: each waits for its own slowest rank."""
-        k, n_moe = spec.experts_per_tok, max(1, len(moe))
-        flops = 2 * batch * k * per_expert / per_param
-        tp_bytes = worst = mean = 0.0
-        routes = np.zeros(len(runs))
-        for i in moe:
-            size = spec.expert_bytes_per_layer[i] / spec.experts
-            w = np.asarray(pops[i] or [1.0] * spec.experts, dtype=np.float64)
-            w = w / w.sum()
-            tp_bytes += size * float(np.sum(1 - (1 - np.minimum(1.0, k * w)) ** batch))
-            rates = [r.mem_bw_Bps / size for r in runs]
-            load = expert_load(spec.experts, k, experts, batch, rates, 256, 0, pops[i], reps[i])
-            worst, mean = worst + load[0], mean + load[1]
-            routes += route_shares(experts, pops[i], reps[i]) / n_moe
-        tp_s = max(
-            max(s.mlp * tp_bytes / r.mem_bw_Bps, s.mlp * flops / r.flops)
-            for s, r in zip(shares, runs, strict=True)
-        )
-        flop_s = max(x * flops / r.flops for x, r in zip(routes, runs, strict=True))
-        return tp_s, max(worst, flop_s), max(mean, flop_s)
-
+    expert_s = _ExpertTimes(spec, shares, runs, experts, moe, per_expert, per_param, pops, reps)
     tp_dec, ep_dec, ep_mean = expert_s(concurrency * tokens_per_row)
     tp_pre, ep_pre, _ = expert_s(prompt_tokens)
     sync = len(moe) * max(r.op_latency_s for r in runs)
@@ -248,26 +267,6 @@ def predict_ep(
         tp_weight_bytes=tuple(tp_bytes),
         ep_weight_bytes=tuple(ep_bytes),
     )
-
-
-def plan_replicas(
-    routing: dict[int, tuple[float, ...]], counts: list[int], copies: int
-) -> tuple[tuple[int, int, int], ...]:
-    """(layer, expert, rank): each MoE layer's `copies` hottest experts (measured `routing`
-    shares) get one more holder each, the rank with the smallest expected share of that
-    layer's routes so far."""
-    out = []
-    for layer, pop in sorted(routing.items()):
-        mine: list[tuple[int, int]] = []
-        for e in np.argsort(-np.asarray(pop), kind="stable")[:copies]:
-            table, h = _holders(counts, tuple(mine))
-            held = set(table[e, : h[e]].tolist())
-            load = route_shares(counts, pop, tuple(mine))
-            free = [r for r in range(len(counts)) if r not in held]
-            if free:
-                mine.append((int(e), min(free, key=lambda r: (load[r], r))))
-        out += [(layer, e, r) for e, r in mine]
-    return tuple(out)
 
 
 def ep_costs(spec: ModelSpec, stage: Stage, by_name: dict, links: list, needs, tp_used: dict):
@@ -358,34 +357,3 @@ def ep_json(rows: list) -> list[dict]:
         }
         for p, e in rows
     ]
-
-
-def expert_replicas(
-    model_dir: Path,
-    world: int,
-    copies: int,
-    routing_file: str | Path | None = None,
-    weights: list[float] | None = None,
-    counts: list[int] | None = None,
-) -> tuple[tuple[int, int, int], ...]:
-    """--replicate-experts N: (layer, expert, rank) copies of each MoE layer's N hottest
-    experts, by the counts in `routing_file` (default: the JSON next to the model)."""
-    from thunderpool.parallel.experts import routed_experts
-    from thunderpool.parallel.routing import ROUTING_FILE, RoutingCounts
-
-    path = Path(routing_file) if routing_file else Path(model_dir) / ROUTING_FILE
-    if not path.is_file():
-        raise ModelError(
-            f"--replicate-experts needs routing counts and {path} does not exist; measure them "
-            f"with `thunderpool route-counts --model {model_dir}` or pass --routing FILE"
-        )
-    routing = RoutingCounts.read(path)
-    n = routed_experts(json.loads((Path(model_dir) / "config.json").read_text()))
-    if routing.experts != n:
-        raise ModelError(
-            f"{path} counts {routing.experts} experts but the model has {n}; measure this "
-            "model's routing with `thunderpool route-counts`"
-        )
-    shares = split_experts(n, list(weights or [1.0] * world), counts)
-    popularity = {i: routing.popularity(i) for i in routing.layers}
-    return plan_replicas(popularity, [s.e1 - s.e0 for s in shares], copies)

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 from thunderpool.parallel.packing import from_config
+from thunderpool.planner import dispatch
 
 # Modules an HF fp8 checkpoint (DeepSeek's) keeps in bf16: embedding, output head, router.
 _HF_FP8_PLAIN = ("embed_tokens", "lm_head", ".mlp.gate")
@@ -270,3 +271,53 @@ def is_moe(config: dict, layer: int, family: str) -> bool:
         return layer >= config.get("first_k_dense_replace", 0) and layer % freq == 0
     step = config.get("decoder_sparse_step", 1)
     return layer not in config.get("mlp_only_layers", []) and (layer + 1) % step == 0
+
+
+def _attention(config: dict, w, family: str, at: str, ratio: int) -> Part:
+    """Layer `at`'s attention: MLA's, DeepSeek-V4's (its compress `ratio`), or GQA's."""
+    if family == "mla":
+        return mla_attention(config, w, at + "self_attn.")
+    if family == "v4":
+        return v4_attention(config, w, at + "self_attn.", ratio)
+    kv_heads, head_dim, _, _ = _attention_shape(config, family, ())
+    heads = config["num_attention_heads"]
+    return gqa_attention(config, w, at + "self_attn.", heads, kv_heads, head_dim)
+
+
+def _attention_shape(config: dict, family: str, ratios: tuple[int, ...]) -> tuple:
+    """(kv_heads, head_dim, cached elements per token per layer, attention's dot width)."""
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    if family == "mla":
+        kv_heads, head_dim = 1, config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+        kv_elems = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+        kv_elems += config.get("index_head_dim", 0) if config.get("index_n_heads") else 0
+        # Decode attends in the latent space: q.k over kv_rank + rope, p.v over kv_rank.
+        return kv_heads, head_dim, kv_elems, 2 * config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    if family == "v4":
+        head_dim = config["head_dim"]
+        return 1, head_dim, _v4_cached_per_token(config, ratios), 2 * head_dim
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    return kv_heads, head_dim, 2 * kv_heads * head_dim, 2 * head_dim
+
+
+def _kernels(
+    config: dict, family: str, matmuls: int, fused: bool, moe_layer: bool, ratio: int | None
+) -> float:
+    """One layer's kernels in matmul equivalents (planner/dispatch.py)."""
+    # DeepSeek-V4's indexer runs on its compress-ratio-4 layers only.
+    indexer = (ratio == 4) if family == "v4" else True
+    indexer = indexer and bool(config.get("index_n_heads"))
+    shared = family != "qwen" and bool(config.get("n_shared_experts"))
+    count = dispatch.BLOCK_WRAP * 2
+    count += dispatch.attention_kernels(family, config["model_type"], matmuls, fused, indexer)
+    count += dispatch.mlp_kernels(family, moe_layer, shared)
+    return dispatch.matmul_equivalents(count)
+
+
+def _v4_cached_per_token(config: dict, ratios: tuple[int, ...]) -> float:
+    """Cached elements per token, averaged over layers: one head_dim latent per `ratio` tokens,
+    plus the indexer's keys on CSA layers (the 128-token sliding window is a constant)."""
+    hd, d = config["head_dim"], config.get("index_head_dim", 0)
+    total = sum(hd / r + (d / r if r == 4 else 0) for r in ratios if r)
+    return total / max(len(ratios), 1)

@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 from thunderpool.errors import ThunderpoolError
-from thunderpool.planner.cost import LINK_KINDS, LinkSpec, NodeSpec
+from thunderpool.planner.hardware import LINK_KINDS, LinkSpec, NodeSpec
 
 GB = 1e9
 GiB = 2**30

@@ -15,16 +15,15 @@ from pathlib import Path
 
 from thunderpool.errors import ModelError
 from thunderpool.parallel.packing import config_head_unit
-from thunderpool.planner import dispatch
 from thunderpool.planner.layers import (
     Part,
+    _attention,
+    _attention_shape,
+    _kernels,
     experts_of,
     glu,
-    gqa_attention,
     is_moe,
-    mla_attention,
     moe,
-    v4_attention,
     weights_for,
 )
 
@@ -273,26 +272,10 @@ def model_spec_from_config(
     family = _FAMILY.get(model_type, "qwen")
     w = weights_for(config, dtype_bytes)
     hidden, n_layers = config["hidden_size"], config["num_hidden_layers"]
-    heads = config["num_attention_heads"]
-    vocab = config["vocab_size"]
+    heads, vocab = config["num_attention_heads"], config["vocab_size"]
     ratios = tuple(config.get("compress_ratios", ())[:n_layers]) if family == "v4" else ()
-    if family == "mla":
-        kv_heads, head_dim = 1, config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
-        kv_elems = config["kv_lora_rank"] + config["qk_rope_head_dim"]
-        kv_elems += config.get("index_head_dim", 0) if config.get("index_n_heads") else 0
-        # Decode attends in the latent space: q.k over kv_rank + rope, p.v over kv_rank.
-        attn_dim = 2 * config["kv_lora_rank"] + config["qk_rope_head_dim"]
-    elif family == "v4":
-        kv_heads, head_dim = 1, config["head_dim"]
-        kv_elems = _v4_cached_per_token(config, ratios)
-        attn_dim = 2 * head_dim
-    else:
-        kv_heads = config.get("num_key_value_heads") or heads
-        head_dim = config.get("head_dim") or hidden // heads
-        kv_elems = 2 * kv_heads * head_dim
-        attn_dim = 2 * head_dim
+    kv_heads, head_dim, kv_elems, attn_dim = _attention_shape(config, family, ratios)
     norms = Part(2 * w.vector(hidden), 2 * hidden, 2 * hidden, 0)
-
     dense_i = config.get("intermediate_size", 0)
     n_experts, top_k = experts_of(config)
     parts, routed, kernels, routed_active = [], [], [], []
@@ -300,18 +283,12 @@ def model_spec_from_config(
     attn_fused = family == "v4" or (family != "mla" and head_dim in _FUSED_HEAD_DIMS)
     for i in range(n_layers):
         at = f"model.layers.{i}."
-        if family == "mla":
-            attn = mla_attention(config, w, at + "self_attn.")
-        elif family == "v4":
-            attn = v4_attention(config, w, at + "self_attn.", ratios[i] if i < len(ratios) else 0)
-        else:
-            attn = gqa_attention(config, w, at + "self_attn.", heads, kv_heads, head_dim)
+        attn = _attention(config, w, family, at, ratios[i] if i < len(ratios) else 0)
         if n_experts and is_moe(config, i, family):
             mlp, experts_b = moe(config, w, at, family, i)
-            shared_i = config["moe_intermediate_size"] * (config.get("n_shared_experts") or 0)
-            widest = max(
-                widest, top_k * config["moe_intermediate_size"] + shared_i * (family != "qwen")
-            )
+            moe_i = config["moe_intermediate_size"]
+            shared_i = moe_i * (config.get("n_shared_experts") or 0)
+            widest = max(widest, top_k * moe_i + shared_i * (family != "qwen"))
         else:
             mlp, experts_b = glu(w, hidden, dense_i, at + "mlp.", config.get("mlp_bias", False)), 0
         parts.append((attn, attn + mlp + norms))
@@ -319,25 +296,10 @@ def model_spec_from_config(
         moe_layer = bool(experts_b)
         expert_i = config.get("moe_intermediate_size", 0)
         routed_active.append(top_k * 3 * hidden * expert_i * moe_layer)
-        # DeepSeek-V4's indexer runs on its compress-ratio-4 layers only.
-        indexer = (ratios[i] == 4 if i < len(ratios) else False) if family == "v4" else True
-        indexer = indexer and bool(config.get("index_n_heads"))
-        shared = family != "qwen" and bool(config.get("n_shared_experts"))
-        count = dispatch.BLOCK_WRAP * 2
-        count += dispatch.attention_kernels(family, model_type, attn.matmuls, attn_fused, indexer)
-        count += dispatch.mlp_kernels(family, moe_layer, shared)
-        kernels.append(dispatch.matmul_equivalents(count))
+        ratio = ratios[i] if i < len(ratios) else None
+        kernels.append(_kernels(config, family, attn.matmuls, attn_fused, moe_layer, ratio))
 
-    tied = config.get("tie_word_embeddings", _TIED_DEFAULT.get(model_type, False))
-    embed_b = w.matrix(vocab, hidden, "model.embed_tokens")
-    head_b = 0 if tied else w.matrix(vocab, hidden, "lm_head")
-    other_b, other_p = w.vector(hidden), hidden
-    m = config.get("hc_mult", 1) if family == "v4" else 1
-    if m > 1:  # the hyper-connection head that folds the m streams back into one
-        other_p += m * m * hidden + m + 1
-        other_b += 4 * (m * m * hidden + m + 1)
-    params = sum(p.params for _, p in parts) + vocab * hidden * (1 if tied else 2) + other_p
-    active = sum(p.active for _, p in parts) + vocab * hidden + other_p
+    embed_b, head_b, other_b, params, active = _outer(config, w, family, parts)
     return ModelSpec(
         model_type=model_type,
         layers=n_layers,
@@ -373,9 +335,18 @@ def model_spec_from_config(
     )
 
 
-def _v4_cached_per_token(config: dict, ratios: tuple[int, ...]) -> float:
-    """Cached elements per token, averaged over layers: one head_dim latent per `ratio` tokens,
-    plus the indexer's keys on CSA layers (the 128-token sliding window is a constant)."""
-    hd, d = config["head_dim"], config.get("index_head_dim", 0)
-    total = sum(hd / r + (d / r if r == 4 else 0) for r in ratios if r)
-    return total / max(len(ratios), 1)
+def _outer(config: dict, w, family: str, parts: list) -> tuple:
+    """(embedding bytes, output head bytes, final norm's bytes, parameters, active
+    parameters): the layers' `parts` and what lies outside them."""
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    tied = config.get("tie_word_embeddings", _TIED_DEFAULT.get(config["model_type"], False))
+    embed_b = w.matrix(vocab, hidden, "model.embed_tokens")
+    head_b = 0 if tied else w.matrix(vocab, hidden, "lm_head")
+    other_b, other_p = w.vector(hidden), hidden
+    m = config.get("hc_mult", 1) if family == "v4" else 1
+    if m > 1:  # the hyper-connection head that folds the m streams back into one
+        other_p += m * m * hidden + m + 1
+        other_b += 4 * (m * m * hidden + m + 1)
+    params = sum(p.params for _, p in parts) + vocab * hidden * (1 if tied else 2) + other_p
+    active = sum(p.active for _, p in parts) + vocab * hidden + other_p
+    return embed_b, head_b, other_b, params, active

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from thunderpool.errors import ThunderpoolError
-from thunderpool.planner.cost import LinkSpec, NodeSpec, Prediction, Stage, predict
+from thunderpool.planner.cost import Prediction, Stage, predict
+from thunderpool.planner.hardware import LinkSpec, NodeSpec
 from thunderpool.planner.spec import ModelSpec
 
 

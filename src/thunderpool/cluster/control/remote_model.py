@@ -19,8 +19,9 @@ from pathlib import Path
 
 from thunderpool.cluster.control.client import AgentError
 from thunderpool.cluster.weights.routes import Locate
+from thunderpool.cluster.weights.shard_files import FetchError, encode
 from thunderpool.cluster.weights.shards import CHUNK_BYTES, ModelIndex, Piece, model_label
-from thunderpool.cluster.weights.transfer import FetchError, SourceClient, encode
+from thunderpool.cluster.weights.transfer import SourceClient
 from thunderpool.errors import ModelError
 
 MARKER = "thunderpool-remote.json"  # written last: a directory without it is incomplete

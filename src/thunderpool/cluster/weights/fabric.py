@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from thunderpool.cluster.control.client import AgentClient, AgentError
 from thunderpool.cluster.control.state import ClusterState
+from thunderpool.cluster.weights.pieces import RankLayout
 from thunderpool.cluster.weights.routes import FetchShards, Locate
-from thunderpool.cluster.weights.shards import RankLayout
 from thunderpool.engine.job import RankJob
 from thunderpool.errors import LaunchError
 

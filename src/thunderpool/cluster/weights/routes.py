@@ -17,10 +17,11 @@ from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from thunderpool.cluster.weights.shards import CHUNK_BYTES, SHARD_MANIFEST, RankLayout
+from thunderpool.cluster.weights.pieces import RankLayout
+from thunderpool.cluster.weights.shard_files import FetchError
+from thunderpool.cluster.weights.shards import CHUNK_BYTES, SHARD_MANIFEST
 from thunderpool.cluster.weights.source import CachedPieces, ModelSource, SourceError
 from thunderpool.cluster.weights.transfer import (
-    FetchError,
     ShardFetch,
     SourceClient,
     decode,

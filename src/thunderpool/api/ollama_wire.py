@@ -1,0 +1,84 @@
+"""Ollama's wire bodies (/api/chat, /api/generate, /api/show and their answers), as its clients send
+and read them: anything else in a request is refused by name (Strict)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from thunderpool.api.wire import Strict
+
+
+class OllamaFunction(Strict):
+    name: str
+    arguments: dict[str, Any]
+    index: int | None = None
+
+
+class OllamaToolCall(Strict):
+    function: OllamaFunction
+
+
+class OllamaMessage(Strict):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+    tool_calls: list[OllamaToolCall] | None = None
+    tool_name: str | None = None
+    images: list[Any] | None = None
+    thinking: str | None = None
+
+
+class _Generating(Strict):
+    model: str
+    stream: bool | None = None
+    options: dict[str, Any] | None = None
+    format: Any = None
+    keep_alive: float | int | str | None = None  # the served model stays loaded regardless
+    think: bool | str | None = None
+
+
+class OllamaChatRequest(_Generating):
+    messages: list[OllamaMessage] | None = None
+    tools: list[Any] | None = None
+
+
+class OllamaGenerateRequest(_Generating):
+    prompt: str | None = None
+    system: str | None = None
+    raw: bool | None = None
+    suffix: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    images: list[Any] | None = None
+
+
+class ShowRequest(Strict):
+    model: str
+    verbose: bool | None = None
+
+
+class OllamaError(BaseModel):
+    error: str
+
+
+class OllamaMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class OllamaChatResponse(BaseModel):
+    model: str
+    created_at: str
+    message: OllamaMessageOut
+    done: bool
+    done_reason: str | None = None
+
+
+class OllamaGenerateResponse(BaseModel):
+    model: str
+    created_at: str
+    response: str
+    done: bool
+    done_reason: str | None = None
