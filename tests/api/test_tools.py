@@ -11,13 +11,15 @@ from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 from mlx_lm.tool_parsers import json_tools
 from mlx_lm.utils import load_tokenizer
-from tool_engine import WEATHER_TOOL, ToolEngine, qwen_tokenizer_dir
+from tool_engine import CALL_PIECES, WEATHER_TOOL, ToolEngine, qwen_tokenizer_dir
 
 from thunderpool.api import create_app
 from thunderpool.api.errors import APIError
 from thunderpool.api.schemas import ChatRequest
 from thunderpool.api.structured import forced_tools
 from thunderpool.api.tools import Call, Text, ToolSplitter, call_schema, forced_call
+from thunderpool.engine.logits import TokenLogprob
+from thunderpool.engine.service import Delta
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -183,3 +185,46 @@ def test_a_model_without_a_tool_format_refuses_tools_naming_its_family():
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello world"
     r = chat(TestClient(create_app(fake)), messages=[{"role": "tool", "content": "42"}])
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.tool_call_id"
+
+
+class LoggedToolEngine(ToolEngine):
+    """ToolEngine whose deltas carry one token each with its logprob (token i: -0.5 * i)."""
+
+    async def _pieces(self, prompt, pieces):
+        for i, p in enumerate(pieces):
+            yield Delta(p, tokens=(i + 1,), logprobs=(TokenLogprob(i + 1, -0.5 * i),))
+        yield Delta("", "stop", len(prompt), len(pieces))
+
+
+def test_n_and_logprobs_ride_the_tool_path(engine):
+    """One pipeline: n choices and logprobs hold with "auto" tools too, collected and streamed;
+    the parser holds text back, the logprobs still come one per token, in order."""
+    client = TestClient(create_app(engine))
+    r = chat(client, tools=[WEATHER_TOOL], n=2, seed=7)
+    assert r.status_code == 200, r.text
+    picks = r.json()["choices"]
+    assert [c["index"] for c in picks] == [0, 1]
+    for c in picks:
+        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] == "Let me check."
+        [call] = c["message"]["tool_calls"]
+        assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    seeds = [p.seed for _, p in engine.calls[-2:]]
+    assert sorted(seeds) == [7, 8]  # each choice its own seed
+    assert r.json()["usage"]["completion_tokens"] == 2 * len(CALL_PIECES)
+
+    logged = LoggedToolEngine(engine.tokenizer)
+    client = TestClient(create_app(logged))
+    r = chat(client, tools=[WEATHER_TOOL], logprobs=True)
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [x["logprob"] for x in content] == [-0.5 * i for i in range(len(CALL_PIECES))]
+    assert [x["token"] for x in content] == [engine.tokenizer.decode([i + 1]) for i in range(4)]
+    r = chat(client, tools=[WEATHER_TOOL], logprobs=True, n=2, stream=True)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line[6:].startswith("{")]
+    for i in (0, 1):
+        mine = [c for e in events for c in e["choices"] if c["index"] == i]
+        got = [x["logprob"] for c in mine if c.get("logprobs") for x in c["logprobs"]["content"]]
+        assert got == [-0.5 * k for k in range(len(CALL_PIECES))]
+        calls = [t for c in mine for t in (c["delta"].get("tool_calls") or [])]
+        assert [t["function"]["name"] for t in calls] == ["get_weather"]
+        assert mine[-1]["finish_reason"] == "tool_calls"
+    assert r.text.rstrip().endswith("data: [DONE]")

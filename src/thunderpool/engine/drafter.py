@@ -20,6 +20,7 @@ from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from thunderpool.engine import compiled
 from thunderpool.engine.sampling import SamplingParams
+from thunderpool.engine.scheduler import MAX_ROWS
 from thunderpool.errors import ThunderpoolError
 
 if TYPE_CHECKING:
@@ -28,10 +29,6 @@ if TYPE_CHECKING:
     from thunderpool.engine.runner import Runner
 
 DEFAULT_K = 4
-# The most decoding rows that still speculate: on a quiet machine, with input-major weights
-# (engine/kmajor.py), per-row speculation beat plain batched decoding at 1 to 4 rows (1.98x,
-# 1.43x, 1.13x, 1.05x; docs/benchmarks.md section 14); more rows are unmeasured, so plain.
-MAX_ROWS = 4
 # Cache types whose rejected tail can be cut by trim() at any length (no ring, no recurrence).
 TRIMMABLE = {"KVCache", "BatchKVCache", "QuantizedKVCache", "ConcatenateKVCache"}
 

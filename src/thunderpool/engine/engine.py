@@ -164,14 +164,8 @@ class Engine:
         """Leader: speculate with `drafter` from the next plan on, or decode plainly (None);
         bench alternates the two on one engine."""
         self.executor.drafter = drafter
-        ex = self.executor
-        trimmable = getattr(ex, "rows_trimmable", False)
-        if drafter is None:
-            self.scheduler.speculation = None
-            return
-        from thunderpool.engine.drafter import MAX_ROWS
-
-        self.scheduler.speculation = Speculation(drafter, trimmable, MAX_ROWS)
+        trimmable = getattr(self.executor, "rows_trimmable", False)
+        self.scheduler.speculation = Speculation(drafter, trimmable) if drafter else None
 
     def generate(self, prompt: list[int], params: SamplingParams, on_event: OnEvent) -> None:
         """One request, run to its end on this thread (a batch of one row)."""

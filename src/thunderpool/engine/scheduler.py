@@ -51,6 +51,12 @@ class Emitted:
     cached_tokens: int = 0  # of prompt_tokens, reused from the prefix cache
 
 
+# The most decoding rows that still speculate: on a quiet machine, with input-major weights
+# (engine/kmajor.py), per-row speculation beat plain batched decoding at 1 to 4 rows (1.98x,
+# 1.43x, 1.13x, 1.05x; docs/benchmarks.md section 14); more rows are unmeasured, so plain.
+MAX_ROWS = 4
+
+
 @dataclass(slots=True)
 class Speculation:
     """What the scheduler needs to decide speculation: the leader's draft (its `k` and
@@ -58,10 +64,10 @@ class Speculation:
 
     drafter: object
     trimmable: bool
-    max_rows: int  # for a draft that names no max_rows of its own (an MTP head)
 
     def rows(self) -> int:
-        return getattr(self.drafter, "max_rows", self.max_rows)
+        """The most rows that speculate together (a draft without its own limit: MAX_ROWS)."""
+        return getattr(self.drafter, "max_rows", MAX_ROWS)
 
 
 class Scheduler:
