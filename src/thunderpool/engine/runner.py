@@ -7,6 +7,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from thunderpool.engine import attention, compiled, fused, kmajor, kv_quant, rowsplit
+from thunderpool.parallel.anatomy import anatomy
 from thunderpool.parallel.pipeline import PipelineStage
 from thunderpool.parallel.vocab import has_split_head
 
@@ -25,6 +26,7 @@ class Runner:
         kv_group_size: int = 64,
     ):
         self.model, self.group, self.stage = model, group, stage
+        self.anatomy = anatomy(model)  # the decoder, wherever this family keeps it
         # --kv-bits: every cache this rank makes is quantized alike (engine/kv_quant.py).
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.rank, self.size = group.rank(), group.size()
@@ -63,7 +65,7 @@ class Runner:
             if self.stage is not None:
                 h = self.stage.forward(tokens, cache, last_only=not self.every_position)
             else:
-                h = self.model.model(tokens, cache=cache)
+                h = self.anatomy.hidden(tokens, cache)
         return self._finish(h)
 
     def _blas(self, tokens: mx.array) -> None:
@@ -112,7 +114,7 @@ class Runner:
             if self.stage is not None:
                 h = self.stage.forward(tokens, cache, last_only=False)
             else:
-                h = self.model.model(tokens, cache=cache)
+                h = self.anatomy.hidden(tokens, cache)
         if self.keep_hidden:
             self.hidden = h
         return self._every(h)
@@ -124,7 +126,11 @@ class Runner:
         return self.project(h)
 
     def project(self, h: mx.array) -> mx.array:
-        """The output head; tied models reuse the embedding matrix."""
+        """The output head: the model's own, after its decoder (parallel/anatomy.py), so
+        logit scaling and soft-capping are the family's; the vocabulary-split head (TP) and
+        the core-split one (compiled decode) are the same product."""
+        if self.head is None and not has_split_head(self.model):
+            return self.anatomy.head(self.model, h)
         head = getattr(self.model, "lm_head", None)
         if self.head is not None:  # the same product, split over the cores
             logits = self.head(h)

@@ -8,15 +8,18 @@ layout (world > 1) outside VERIFIED is refused before any rank starts, unless th
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 from thunderpool.errors import UnverifiedLayoutError
 
 # Every entry must be backed by tests/parallel matrix cases (sharded == unsharded model).
 # tests/parallel/test_family_matrix.py checks this table against its cells ("ep": against
 # tests/parallel/test_expert_parallel.py's; "hybrid": against tests/parallel/test_hybrid.py's).
-VERIFIED: dict[str, tuple[str, ...]] = {
+# The families beyond it come from verified.json (below).
+MATRIX: dict[str, tuple[str, ...]] = {
     "llama": ("tp", "pp", "hybrid"),
     "qwen2": ("tp", "pp"),
     "qwen3": ("tp", "pp", "hybrid"),
@@ -32,6 +35,32 @@ VERIFIED: dict[str, tuple[str, ...]] = {
     "phi3": ("pp",),  # fused qkv/gate_up projections: TP refused
     "qwen3_next": ("pp",),  # linear-attention layers: TP refused
 }
+
+# What the all-families matrix proved with the mlx-lm release it names (tests/all_families.py
+# writes it; tests/parallel/test_all_families.py proves every "ok" cell again on each run):
+# {family: {layout: "ok" | the one-line reason it is not}}.
+PROVEN_JSON = Path(__file__).with_name("verified.json")
+
+
+@cache
+def proven() -> dict[str, dict[str, str]]:
+    try:
+        return json.loads(PROVEN_JSON.read_text())["families"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def _verified() -> dict[str, tuple[str, ...]]:
+    table = {k: list(v) for k, v in MATRIX.items()}
+    for family, cells in proven().items():
+        for layout in ("tp", "pp", "ep"):
+            have = table.setdefault(family, [])
+            if cells.get(layout) == "ok" and layout not in have:
+                have.append(layout)
+    return {k: tuple(v) for k, v in table.items() if v}
+
+
+VERIFIED: dict[str, tuple[str, ...]] = _verified()
 
 LAYOUTS = ("tp", "pp")  # what --parallel launches
 MOE_LAYOUTS = ("ep",)  # --parallel ep: MoE models only, so `describe` offers it only when verified
@@ -92,9 +121,11 @@ def unverified(family: Family, world: int, layout: str) -> str | None:
     """Why `layout` on `world` ranks is not verified for this family; None when it is."""
     if world <= 1 or layout in family.verified:
         return None
+    found = proven().get(family.name, {}).get(layout)
+    why = f": {found}" if found and found != "ok" else ""
     return (
         f"{family.label} with {layout} on {world} ranks is not verified against the unsharded "
-        f"model (verified for {family.name}: {_verified_text(family)})"
+        f"model{why} (verified for {family.name}: {_verified_text(family)})"
     )
 
 

@@ -22,6 +22,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from thunderpool.errors import ShardingError
+from thunderpool.parallel.anatomy import NORMS, anatomy, width
 
 
 def split_layers(
@@ -63,7 +64,7 @@ class _ZeroEmbedding(nn.Module):
         super().__init__()
         self.hidden, self.dtype = hidden, dtype
 
-    def __call__(self, tokens: mx.array) -> mx.array:
+    def __call__(self, tokens: mx.array, *args, **kwargs) -> mx.array:
         return mx.zeros((*tokens.shape, self.hidden), self.dtype)
 
 
@@ -98,12 +99,13 @@ class PipelineStage:
         stage: int | None = None,
     ):
         """`stage`: this rank's stage when it is not its rank in `group` (hybrid)."""
-        inner = getattr(model, "model", None)
-        missing = [n for n in ("layers", "embed_tokens", "norm") if not hasattr(inner, n)]
-        if inner is None or missing:
+        body = anatomy(model)
+        inner, embedding, norm = body.decoder, body.embedding(), body.norm()
+        if embedding is None or norm is None:
+            what = "token embedding" if embedding is None else f"final norm ({', '.join(NORMS)})"
             raise ShardingError(
-                f"{type(model).__module__} has no model.layers/embed_tokens/norm; pipeline "
-                "parallelism needs an mlx-lm model with a layers list; use --parallel tp"
+                f"{type(model).__module__}: its decoder ({body.path}) has no {what} this "
+                "pipeline can hand over at; use --parallel tp or --nodes 1"
             )
         self.model, self.inner, self.group = model, inner, group
         # The stage index and count (PP: the rank and the world; hybrid: its group's stage).
@@ -112,23 +114,28 @@ class PipelineStage:
         self.leads = self.rank == 0  # holds the embedding and head; hybrid: see HybridStage
         self.bounds = bounds
         self.start, self.end = bounds[self.rank]
-        layers = inner.layers
+        *owner_path, attr = body.layers_attr.split(".")
+        owner = inner
+        for name in owner_path:
+            owner = owner[name]
+        layers = owner[attr]
         if len(layers) != bounds[-1][1]:
             raise ShardingError(f"stages {bounds} do not cover the {len(layers)} layers")
-        self.hidden = model.args.hidden_size
+        self.hidden = width(embedding[1])[1]
         self.dtype = _float_dtype(layers[self.start])
         # Replacing modules before any weight is evaluated means they are never read from disk.
         self.local = range(self.start, self.end)
-        inner.layers = [
+        owner[attr] = [
             layer if i in self.local else _Skip(layer) for i, layer in enumerate(layers)
         ]
-        self.handoff = inner.layers[self.start - 1] if self.start > 0 else None
+        self.layers = owner[attr]
+        self.handoff = self.layers[self.start - 1] if self.start > 0 else None
         if self.rank != 0:
-            inner.embed_tokens = _ZeroEmbedding(self.hidden, self.dtype)
+            inner[embedding[0]] = _ZeroEmbedding(self.hidden, self.dtype)
             if hasattr(model, "lm_head"):
                 model.lm_head = None
         if self.rank != self.size - 1:
-            inner.norm = _Identity()
+            inner[norm] = _Identity()
 
     def forward(self, tokens: mx.array, cache: list, last_only: bool = True) -> mx.array | None:
         """Runs this stage; returns the final hidden state of the last position on rank 0

@@ -197,10 +197,12 @@ def _even_only(model: nn.Module) -> str | None:
 def _refusal(model: nn.Module, n: int, weights: list[float]) -> str | None:
     """Why `model` cannot be split over n ranks with these weights at all, or None."""
     family, layers = _family(model), model.layers
-    if not all(hasattr(layer, "self_attn") for layer in layers):
+    odd = next((i for i, layer in enumerate(layers) if not hasattr(layer, "self_attn")), None)
+    if odd is not None:
+        kinds = [k for k, v in layers[odd].items() if isinstance(v, nn.Module)]
         return (
-            f"{family}: tensor parallelism (tp={n}) cannot split its linear-attention layers; "
-            "use --parallel pp (pipeline parallelism) for this model"
+            f"{family}: tensor parallelism (tp={n}) splits attention with q/k/v/o projections; "
+            f"layer {odd} ({type(layers[odd]).__name__}: {', '.join(kinds)}) has none"
         )
     first = layers[0]
     if hasattr(first.self_attn, "qkv_proj") or hasattr(_mlp_of(first), "gate_up_proj"):
@@ -213,10 +215,10 @@ def _refusal(model: nn.Module, n: int, weights: list[float]) -> str | None:
         return None
     heads = _heads(first.self_attn)[0]
     ok = [d for d in range(2, heads + 1) if _even(model, d, [1.0] * d)]
+    fix = f"use tp in {ok} with equal weights" if ok else "no equal split of it works"
     return (
         f"{family} ({why}) splits only into equal shares that divide its {heads} heads and "
-        f"every MLP: tp={n} with weights {weights} cannot; use tp in {ok or '(none)'} with "
-        "equal weights, or --parallel pp"
+        f"every MLP, through mlx-lm's own shard(): tp={n} with weights {weights} cannot; {fix}"
     )
 
 

@@ -173,6 +173,8 @@ def model_spec(model_dir: Path) -> ModelSpec:
     tensors = _read_headers(model_dir)
     dtype_bytes = _main_dtype_bytes(tensors)
     estimate = model_spec_from_config(config, dtype_bytes=dtype_bytes)
+    if config.get("model_type") not in SUPPORTED:
+        return estimate  # read from the model's own structure, names and all
     n = estimate.layers
     per_layer = [0] * n
     attn, kv_proj, experts = [0] * n, [0] * n, [0] * n
@@ -265,10 +267,10 @@ def model_spec_from_config(
     """
     model_type = config.get("model_type")
     if model_type not in SUPPORTED:
-        raise ModelError(
-            f"model_type {model_type!r} is not known to the planner (known: "
-            f"{', '.join(SUPPORTED)}); describe it with one of these or add it to planner/spec.py"
-        )
+        # Every other family: priced from mlx-lm's own model, built lazily (structure.py).
+        from thunderpool.planner.structure import structural_spec
+
+        return structural_spec(config, dtype_bytes, kv_dtype_bytes)
     family = _FAMILY.get(model_type, "qwen")
     w = weights_for(config, dtype_bytes)
     hidden, n_layers = config["hidden_size"], config["num_hidden_layers"]

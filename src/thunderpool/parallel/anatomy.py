@@ -1,0 +1,132 @@
+"""Where an mlx-lm model keeps its parts, found from the model itself, not from its family.
+
+mlx-lm's models agree on little beyond `Model.layers`: the decoder that owns the layer list is
+`model.model`, `model.language_model.model` (multimodal wrappers), `model.transformer`,
+`model.backbone`; embeddings and final norms go by a dozen names; and `Model.__call__` may do
+more after the decoder (logit scaling, soft-capping, a tied head). So the hidden states come
+from the decoder found here, and the logits from the model's own `__call__` with that decoder
+replaced by a stand-in returning the given hidden states: whatever the family does after its
+decoder, the head does too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from thunderpool.errors import ShardingError
+
+# Names of a decoder's final norm, in the order families use them.
+NORMS = ("norm", "ln_f", "norm_f", "final_layernorm", "final_layer_norm", "output_norm")
+
+
+class _Given(nn.Module):
+    """Stands in for the decoder during one head call: returns `h`, lends the real decoder's
+    attributes (a tied head reads its embedding)."""
+
+    def __init__(self, h: mx.array, decoder: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_h", h)
+        object.__setattr__(self, "_decoder", decoder)
+
+    def __getattr__(self, name: str):
+        return getattr(object.__getattribute__(self, "_decoder"), name)
+
+    def __call__(self, *args, **kwargs) -> mx.array:
+        return object.__getattribute__(self, "_h")
+
+
+def table(module: nn.Module) -> nn.Module | None:
+    """The first embedding table in `module` (itself, or one it holds)."""
+    for _, m in module.named_modules():
+        if isinstance(m, nn.Embedding | nn.QuantizedEmbedding):
+            return m
+    return None
+
+
+def width(embedding: nn.Module) -> tuple[int, int]:
+    """(vocabulary, hidden) of an embedding or the table it holds."""
+    t = table(embedding)
+    dims = getattr(t, "dims", None)
+    rows = getattr(t, "num_embeddings", None)
+    shape = t.weight.shape
+    return rows or shape[0], dims or shape[-1]
+
+
+@dataclass(frozen=True)
+class Anatomy:
+    """A model's decoder (the module that runs the layers), where it hangs, and its parts."""
+
+    parent: nn.Module  # the module holding the decoder as attribute `attr`
+    attr: str
+    layers_attr: str  # the decoder's attribute holding the layer list
+    path: str  # e.g. "model", "language_model.model": for messages
+
+    @property
+    def decoder(self) -> nn.Module:
+        return self.parent[self.attr]
+
+    @property
+    def standard(self) -> bool:
+        """model.model with embed_tokens, layers and norm: the layout the fast paths know."""
+        d = self.decoder
+        return self.path == "model" and all(n in d for n in ("embed_tokens", "layers", "norm"))
+
+    def embedding(self) -> tuple[str, nn.Module] | None:
+        """The decoder's token embedding: its first child that is or holds an nn.Embedding
+        (LongCat's n-gram embedding wraps its table; a per-layer input table, like Gemma
+        3n's, comes after it)."""
+        for name, child in self.decoder.items():
+            if isinstance(child, nn.Module) and table(child) is not None:
+                return name, child
+        return None
+
+    def norm(self) -> str | None:
+        return next((n for n in NORMS if isinstance(self.decoder.get(n), nn.Module)), None)
+
+    def hidden(self, tokens: mx.array, cache=None) -> mx.array:
+        """The decoder's output (after its final norm) for `tokens`."""
+        return self.decoder(tokens, cache=cache)
+
+    def head(self, model: nn.Module, h: mx.array) -> mx.array:
+        """Logits of hidden states `h` (B, L, D): the model's own __call__ after its decoder."""
+        decoder = self.decoder
+        self.parent[self.attr] = _Given(h, decoder)
+        try:
+            out = model(mx.zeros(h.shape[:2], mx.int32), cache=None)
+        finally:
+            self.parent[self.attr] = decoder
+        return out[0] if isinstance(out, tuple) else out
+
+
+def anatomy(model: nn.Module) -> Anatomy:
+    """Find the decoder of an mlx-lm model: the module whose list holds `model.layers`
+    (going up while that module holds nothing else, e.g. PLaMo's layer block)."""
+    layers = getattr(model, "layers", None)
+    if not layers:
+        raise ShardingError(
+            f"{type(model).__module__} has no layer list (Model.layers); it cannot be cut "
+            "or split: use --nodes 1"
+        )
+    modules = dict(model.named_modules())
+    found = None
+    for name, module in modules.items():
+        for key, value in module.items():
+            if isinstance(value, list) and value and value[0] is layers[0]:
+                found = (name, key)
+                break
+        if found:
+            break
+    if found is None:
+        raise ShardingError(f"{type(model).__module__}: its layers are not in a module's list")
+    path, layers_attr = found
+    while path and not any(isinstance(c, nn.Module) for c in modules[path].values()):
+        path, _, up = path.rpartition(".")
+        layers_attr = f"{up}.{layers_attr}"
+    if not path:
+        raise ShardingError(f"{type(model).__module__}: no decoder module holds its layers")
+    parent_path, _, attr = path.rpartition(".")
+    parent = modules[parent_path] if parent_path else model
+    return Anatomy(parent, attr, layers_attr, path)

@@ -1,0 +1,168 @@
+"""Every family the installed mlx-lm ships, as a tiny random checkpoint, on each layout.
+
+The checkpoints come from mlx-lm's own ModelArgs (thunderpool.models.tiny): built by mlx-lm,
+saved in its own layout, loaded back through its own sanitize, so nothing here knows a family.
+A cell is (family, layout): "one" (one rank), "pp" (PP2), "tp" (TP2), "ep" (EP2, MoE only).
+
+`python tests/all_families.py` discovers: it runs every cell in a launch of its own (a cell that
+hangs or dies costs only itself), compares it with the one-process full forward, and writes
+src/thunderpool/models/verified.json: "ok" where tokens are identical and logits within TOL, the
+one-line reason otherwise. tests/parallel/test_all_families.py then proves every "ok" cell again
+on each run, in one shared launch per world size.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from thunderpool.models import tiny
+
+STEPS = 6  # greedy tokens per prompt
+TOL = 2e-4  # fp32 logits, sharded or cached against the full forward (measured ~1e-6)
+LAYOUTS = {"one": ("tp", 1), "pp": ("pp", 2), "tp": ("tp", 2), "ep": ("ep", 2)}
+VERIFIED_JSON = Path(__file__).parents[1] / "src/thunderpool/models/verified.json"
+
+
+def prompts() -> list[list[int]]:
+    """A short prompt and one longer than the tiny window (16)."""
+    rng = np.random.default_rng(7)
+    return [rng.integers(1, tiny.VOCAB, 5).tolist(), rng.integers(1, tiny.VOCAB, 28).tolist()]
+
+
+def make_checkpoint(model_type: str, path: Path, seed: int = 0) -> Path:
+    """Write `model_type`'s tiny random checkpoint (mlx-lm layout, fp32) to `path`."""
+    from mlx_lm.utils import _get_classes
+
+    config = tiny.family_config(model_type)
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    params = dict(tree_flatten(model.parameters()))
+    # Peaked logits, so greedy ties are not a coin flip: widen every matrix a little.
+    params = {k: (v * 2.0 if v.ndim >= 2 and mx.issubdtype(v.dtype, mx.floating) else v)
+              for k, v in params.items()}
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), params)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def reference(model_dir: Path, steps: int = STEPS) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy tokens and last-position logits, recomputing the whole sequence every step
+    with mlx-lm's own Model.__call__."""
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(model_dir)
+    tokens, logits = [], []
+    for prompt in prompts():
+        seq, toks, lgs = list(prompt), [], []
+        for _ in range(steps):
+            out = model(mx.array([seq]))
+            out = (out[0] if isinstance(out, tuple) else out)[0, -1].astype(mx.float32)
+            tok = int(mx.argmax(out).item())
+            toks.append(tok)
+            lgs.append(np.array(out))
+            seq.append(tok)
+        tokens.append(toks)
+        logits.append(np.stack(lgs))
+    return np.array(tokens), np.stack(logits)
+
+
+def cell_job(model_dir: Path, layout: str, out: Path) -> dict:
+    from matrix_ranks import trace_job
+
+    parallel, nodes = LAYOUTS[layout]
+    return trace_job(model_dir, out, nodes, prompts(), STEPS, parallel=parallel, prefill_chunk=16)
+
+
+def compare(got: dict, want: tuple[np.ndarray, np.ndarray]) -> str:
+    """"ok", or what differs."""
+    tokens, logits = want
+    if not np.array_equal(got["tokens"], tokens):
+        return f"greedy tokens differ from the unsharded model's ({got['tokens'].tolist()})"
+    diff = float(np.max(np.abs(got["logits"] - logits)))
+    if not np.allclose(got["logits"], logits, atol=TOL, rtol=TOL):
+        return f"logits differ from the unsharded model's by up to {diff:.2g} (tolerance {TOL})"
+    return "ok"
+
+
+def preflight_reason(model_dir: Path, layout: str) -> str | None:
+    """Why the production preflight refuses this cell, or None."""
+    from thunderpool.engine.loader import Layout, preflight
+
+    parallel, nodes = LAYOUTS[layout]
+    try:
+        preflight(model_dir, nodes, Layout(parallel))
+    except Exception as e:  # noqa: BLE001 - every refusal is recorded as its message
+        return first_line(e)
+    return None
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}"[:300]
+
+
+def discover(root: Path, only: list[str]) -> dict:
+    """Run every cell alone; {family: {layout: "ok" | reason}}."""
+    from matrix_ranks import run_matrix, trace_result
+
+    table = {}
+    for model_type in only or tiny.model_types():
+        if model_type in getattr(tiny, "CANNOT_BUILD", {}):
+            continue
+        row = table[model_type] = {}
+        folder = root / model_type
+        try:
+            make_checkpoint(model_type, folder / "ckpt")
+            want = reference(folder / "ckpt")
+        except Exception as e:  # noqa: BLE001
+            row["one"] = f"mlx-lm's own model does not run: {first_line(e)}"
+            continue
+        for layout, (_, nodes) in LAYOUTS.items():
+            if layout == "ep" and not _moe(folder / "ckpt"):
+                continue
+            if (why := preflight_reason(folder / "ckpt", layout)) is not None:
+                row[layout] = why
+                continue
+            out = folder / f"{layout}.npz"
+            jobs = [{"id": layout, **cell_job(folder / "ckpt", layout, out)}]
+            try:
+                events = run_matrix(jobs, folder / f"run-{layout}", nodes, 120)
+                row[layout] = compare(trace_result(events[layout], out), want)
+            except BaseException as e:  # noqa: BLE001 - a dead or hung launch
+                log = folder / f"run-{layout}" / "rank0.log"
+                tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
+                row[layout] = f"the ranks failed: {(tail or [first_line(e)])[0][:250]}"
+        print(model_type, row, flush=True)
+    return table
+
+
+def _moe(model_dir: Path) -> bool:
+    from thunderpool.engine.loader import build_lazy
+    model, _ = build_lazy(model_dir)
+    return any(
+        "switch" in type(m).__name__.lower() or name.endswith("experts")
+        for name, m in model.named_modules()
+    )
+
+
+if __name__ == "__main__":
+    import mlx_lm
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    # python tests/all_families.py [FOLDER [FAMILY ...]]: only FAMILY's rows are rewritten
+    root = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/all-families")
+    families = discover(root, sys.argv[2:])
+    old = json.loads(VERIFIED_JSON.read_text()) if VERIFIED_JSON.exists() else {}
+    merged = {**old.get("families", {}), **families} if sys.argv[2:] else families
+    VERIFIED_JSON.write_text(
+        json.dumps({"mlx_lm": mlx_lm.__version__, "families": dict(sorted(merged.items()))},
+                   indent=1) + "\n"
+    )

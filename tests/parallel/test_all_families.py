@@ -1,0 +1,97 @@
+"""Every family the installed mlx-lm ships, on one rank, PP2, TP2 and EP2, against the
+unsharded model (tests/all_families.py builds them from mlx-lm's own ModelArgs).
+
+models/verified.json is what discovery found. Each run proves its "ok" cells again: identical
+greedy tokens and fp32 logits within all_families.TOL of mlx-lm's own full forward, every
+cell of a world size in one launch of its ranks. A cell that is not "ok" must be refused
+before any rank starts (families.check_layout), with the reason discovery recorded.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx_lm
+import pytest
+from all_families import (
+    LAYOUTS,
+    VERIFIED_JSON,
+    cell_job,
+    compare,
+    make_checkpoint,
+    preflight_reason,
+    reference,
+)
+from matrix_ranks import run_matrix, trace_result
+
+from thunderpool.errors import UnverifiedLayoutError
+from thunderpool.models import families, tiny
+
+TABLE = json.loads(VERIFIED_JSON.read_text())
+CELLS = [(f, lay) for f, row in TABLE["families"].items() for lay in row]
+LAUNCH_S = 1200
+
+
+class Built(dict):
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key):
+        self[key] = self.make(key)
+        return self[key]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("all-families")
+    return Built(lambda family: make_checkpoint(family, root / family))
+
+
+@pytest.fixture(scope="module")
+def references(dirs):
+    return Built(lambda family: reference(dirs[family]))
+
+
+@pytest.fixture(scope="module")
+def launches(dirs, tmp_path_factory):
+    """Every "ok" cell of a world size in one launch: {cell: trace}."""
+
+    def launch(nodes: int) -> dict:
+        tmp = tmp_path_factory.mktemp(f"all{nodes}")
+        cells = [(f, lay) for f, lay in CELLS if TABLE["families"][f][lay] == "ok"
+                 and LAYOUTS[lay][1] == nodes]
+        jobs = [{"id": f"{f}-{lay}", **cell_job(dirs[f], lay, tmp / f"{f}-{lay}.npz")}
+                for f, lay in cells]
+        events = run_matrix(jobs, tmp / "run", nodes, LAUNCH_S)
+        return {j["id"]: trace_result(events[j["id"]], tmp / f"{j['id']}.npz") for j in jobs}
+
+    return Built(launch)
+
+
+def test_table_covers_the_installed_mlx_lm():
+    # A family mlx-lm ships is in the table or named, with its reason, as one we cannot build.
+    assert TABLE["mlx_lm"] == mlx_lm.__version__, "rerun: python tests/all_families.py"
+    shipped = set(tiny.model_types())
+    assert set(TABLE["families"]) | set(tiny.CANNOT_BUILD) == shipped
+    for family, why in sorted(tiny.CANNOT_BUILD.items()):
+        print(f"not built: {family}: {why}")
+
+
+@pytest.mark.timeout(LAUNCH_S)
+@pytest.mark.parametrize("family,layout", CELLS, ids=[f"{f}-{lay}" for f, lay in CELLS])
+def test_cell(family, layout, dirs, references, launches):
+    found = TABLE["families"][family][layout]
+    parallel, nodes = LAYOUTS[layout]
+    if found == "ok":
+        got = launches[nodes][f"{family}-{layout}"]
+        assert compare(got, references[family]) == "ok"
+        if layout == "pp":
+            assert [e["method"] for e in got["loaded"]] == ["pp", "pp"]
+        return
+    if found.startswith("ShardingError"):  # the loader's own preflight refuses it still
+        assert preflight_reason(dirs[family], layout) == found
+    if layout != "one":
+        config = json.loads((dirs[family] / "config.json").read_text())
+        with pytest.raises(UnverifiedLayoutError, match="not verified"):
+            families.check_layout(config, nodes, parallel)
