@@ -15,8 +15,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from thunderpool.models import tiny
-from thunderpool.planner.spec import SUPPORTED, model_spec_from_config
-from thunderpool.planner.structure import build_lazy, structural_spec
+from thunderpool.planner.spec import SUPPORTED, model_spec_from_config, structural_spec
+from thunderpool.planner.structure import build_lazy
 
 CONFIGS = Path(__file__).parents[2] / "src/thunderpool/planner/configs"
 # Published totals (and active parameters per token), in billions, from the model cards.

@@ -22,8 +22,8 @@ def _mib(n: int | float) -> str:
 def _instance(args: argparse.Namespace, make_job, timeout: float | None):
     """Local ranks on this host, or the planned ranks across the cluster (--cluster)."""
     from thunderpool.cli.flags import resolve_backend
+    from thunderpool.cli.proof import admit
     from thunderpool.launch.mpi import local_instance
-    from thunderpool.models.families import guard
     from thunderpool.models.source import resolve_model
 
     nodes = args.nodes or 2
@@ -36,7 +36,7 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
         return cluster_instance(args, make_job, timeout), args.model or "SmolLM2-135M-Instruct"
     model_dir = resolve_model(args.model)
     layout, config = local_layout(args, model_dir, nodes)
-    guard(config, nodes, layout.parallel, args.allow_untested)
+    admit(config, nodes, layout.parallel, args.allow_untested, backend, Console(stderr=True))
     if getattr(args, "draft_model", None) == "mtp":
         from thunderpool.engine.mtp import check_mtp_files
 

@@ -40,12 +40,12 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
     from mlx_lm.utils import load_tokenizer
 
     from thunderpool.cli.flags import resolve_backend
+    from thunderpool.cli.proof import admit
     from thunderpool.cluster.control.remote_model import MARKER as REMOTE
     from thunderpool.config import api_key_from_env
     from thunderpool.engine.loader import read_config
     from thunderpool.engine.service import EngineInfo
     from thunderpool.launch.mpi import LOCAL_BACKENDS, SERVE_RING_REASON
-    from thunderpool.models.families import guard
     from thunderpool.models.source import resolve_model
     from thunderpool.serving.gateway import Gateway
     from thunderpool.serving.supervisor import Supervisor
@@ -65,7 +65,7 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
         model_dir = resolve_model(args.model)
     config = read_config(model_dir)
     if not args.cluster:
-        guard(config, args.nodes or 2, args.parallel or "tp", args.allow_untested, console)
+        admit(config, args.nodes or 2, args.parallel or "tp", args.allow_untested, backend, console)
     tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
     limit = config.get("max_position_embeddings") or 4096
     max_context = min(args.max_context or limit, limit)

@@ -26,7 +26,7 @@ from thunderpool.engine.compiled import wanted
 from thunderpool.engine.runner import Runner
 from thunderpool.errors import ModelError
 from thunderpool.models import published
-from thunderpool.parallel import experts, tensor, vocab
+from thunderpool.parallel import experts, pipeline, tensor, vocab
 from thunderpool.parallel.layout import Layout
 from thunderpool.parallel.packing import config_head_unit
 from thunderpool.parallel.pipeline import PipelineStage, split_layers
@@ -310,7 +310,7 @@ def preflight(model_dir: Path, world_size: int, layout: Layout) -> dict:
 
         hybrid.check(model, layout.groups or (), layout.tp_weights, layout.layer_split)
     elif world_size > 1 and layout.parallel == "pp":
-        split_layers(len(model.layers), world_size, list(layout.layer_split or []) or None)
+        pipeline.check(model, world_size, list(layout.layer_split or []) or None)
     elif world_size > 1 and layout.parallel == "ep":
         counts = list(layout.expert_split or []) or None
         weights = list(layout.tp_weights or []) or None

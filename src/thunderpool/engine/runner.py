@@ -126,16 +126,12 @@ class Runner:
         return self.project(h)
 
     def project(self, h: mx.array) -> mx.array:
-        """The output head: the model's own, after its decoder (parallel/anatomy.py), so
-        logit scaling and soft-capping are the family's; the vocabulary-split head (TP) and
-        the core-split one (compiled decode) are the same product."""
-        if self.head is None and not has_split_head(self.model):
+        """The output head: the model's own __call__ after its decoder (parallel/anatomy.py),
+        so logit scaling and soft-capping are the family's, through the vocabulary-split head
+        (TP) too; the core-split head of a compiled decode is the same product."""
+        if self.head is None:
             return self.anatomy.head(self.model, h)
-        head = getattr(self.model, "lm_head", None)
-        if self.head is not None:  # the same product, split over the cores
-            logits = self.head(h)
-        else:
-            logits = head(h) if head is not None else self.model.model.embed_tokens.as_linear(h)
+        logits = self.head(h)
         # Gemma-2-style models soft-cap their logits inside Model.__call__, which we bypass.
         cap = getattr(getattr(self.model, "args", None), "final_logit_softcapping", None)
         return mx.tanh(logits / cap) * cap if cap else logits

@@ -88,6 +88,36 @@ class _Skip(nn.Module):
         return x if self.received is None else self.received
 
 
+def _parts(model: nn.Module) -> tuple:
+    """(decoder, (embedding name, module), final norm's name, the layer list's owner, its
+    attribute): where a stage cuts, or a ShardingError saying why this model cannot be cut."""
+    body = anatomy(model)
+    inner, embedding, norm = body.decoder, body.embedding(), body.norm()
+    if embedding is None or norm is None:
+        what = "token embedding" if embedding is None else f"final norm ({', '.join(NORMS)})"
+        raise ShardingError(
+            f"{type(model).__module__}: its decoder ({body.path}) has no {what} this "
+            "pipeline can hand over at; use --parallel tp or --nodes 1"
+        )
+    *owner_path, attr = body.layers_attr.split(".")
+    owner = inner
+    for name in owner_path:
+        owner = owner[name]
+    if len(owner[attr]) != len(model.layers):
+        raise ShardingError(
+            f"{type(model).__module__}: its {len(model.layers)} layers live in more than one "
+            f"list ({body.path}.{body.layers_attr} holds {len(owner[attr])}); pipeline "
+            "parallelism cuts one list: use --parallel tp or --nodes 1"
+        )
+    return inner, embedding, norm, owner, attr
+
+
+def check(model: nn.Module, n_stages: int, split: list[int] | None = None) -> None:
+    """Raise ShardingError where this model cannot be cut into `n_stages` stages."""
+    split_layers(len(model.layers), n_stages, split)
+    _parts(model)
+
+
 class PipelineStage:
     """Cuts `model` to this rank's stage and runs the stage's part of a forward."""
 
@@ -99,14 +129,7 @@ class PipelineStage:
         stage: int | None = None,
     ):
         """`stage`: this rank's stage when it is not its rank in `group` (hybrid)."""
-        body = anatomy(model)
-        inner, embedding, norm = body.decoder, body.embedding(), body.norm()
-        if embedding is None or norm is None:
-            what = "token embedding" if embedding is None else f"final norm ({', '.join(NORMS)})"
-            raise ShardingError(
-                f"{type(model).__module__}: its decoder ({body.path}) has no {what} this "
-                "pipeline can hand over at; use --parallel tp or --nodes 1"
-            )
+        inner, embedding, norm, owner, attr = _parts(model)
         self.model, self.inner, self.group = model, inner, group
         # The stage index and count (PP: the rank and the world; hybrid: its group's stage).
         self.rank = group.rank() if stage is None else stage
@@ -114,10 +137,6 @@ class PipelineStage:
         self.leads = self.rank == 0  # holds the embedding and head; hybrid: see HybridStage
         self.bounds = bounds
         self.start, self.end = bounds[self.rank]
-        *owner_path, attr = body.layers_attr.split(".")
-        owner = inner
-        for name in owner_path:
-            owner = owner[name]
         layers = owner[attr]
         if len(layers) != bounds[-1][1]:
             raise ShardingError(f"stages {bounds} do not cover the {len(layers)} layers")

@@ -17,24 +17,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from thunderpool.errors import ShardingError
+from thunderpool.parallel import blocks
+from thunderpool.parallel.anatomy import anatomy, width
+from thunderpool.parallel.blocks import SumAfter, _mlp_of, _mlp_of_or_none, _mlp_refusal
 from thunderpool.parallel.heads import HeadShare, proportional_split, split_heads
 from thunderpool.parallel.packing import head_unit
 from thunderpool.parallel.slicing import packing_of, slice_cols, slice_rows, step_of
-
-
-class SumAfter(nn.Module):
-    """A column-sliced projection followed by an all_sum; the bias is added once, after it."""
-
-    def __init__(self, inner: nn.Module, group: mx.distributed.Group):
-        super().__init__()
-        self.inner = inner
-        self.group = group
-        if "bias" in inner:
-            self.bias = inner.pop("bias")
-
-    def __call__(self, x: mx.array, *args) -> mx.array:
-        y = mx.distributed.all_sum(self.inner(x, *args), group=self.group)
-        return y + self.bias if "bias" in self else y
 
 
 def head_step(model: nn.Module) -> tuple[int, str]:
@@ -162,11 +150,6 @@ def _glus(layer: nn.Module, routed: bool = True) -> list[tuple[nn.Module, nn.Mod
     return [(b.gate_proj, b.down_proj, e) for b, e in blocks if hasattr(b, "gate_proj")]
 
 
-def _mlp_of(layer: nn.Module) -> nn.Module:
-    """The feed-forward block of a layer (Mixtral calls its MoE block_sparse_moe)."""
-    return layer["mlp"] if "mlp" in layer else layer["block_sparse_moe"]
-
-
 def _family(model: nn.Module) -> str:
     args = getattr(model, "args", None) or getattr(model, "config", None)
     return getattr(args, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1]
@@ -194,8 +177,8 @@ def _even_only(model: nn.Module) -> str | None:
     return None
 
 
-def _refusal(model: nn.Module, n: int, weights: list[float]) -> str | None:
-    """Why `model` cannot be split over n ranks with these weights at all, or None."""
+def _structural(model: nn.Module, n: int) -> str | None:
+    """Why our slicing cannot read this model's layers (then only mlx-lm's shard() can)."""
     family, layers = _family(model), model.layers
     odd = next((i for i, layer in enumerate(layers) if not hasattr(layer, "self_attn")), None)
     if odd is not None:
@@ -205,11 +188,63 @@ def _refusal(model: nn.Module, n: int, weights: list[float]) -> str | None:
             f"layer {odd} ({type(layers[odd]).__name__}: {', '.join(kinds)}) has none"
         )
     first = layers[0]
-    if hasattr(first.self_attn, "qkv_proj") or hasattr(_mlp_of(first), "gate_up_proj"):
+    if hasattr(first.self_attn, "qkv_proj") or hasattr(_mlp_of_or_none(first), "gate_up_proj"):
         return (
             f"{family}: tensor parallelism (tp={n}) cannot split its fused qkv_proj/gate_up_proj "
             "projections; use --parallel pp (pipeline parallelism) for this model"
         )
+    if _even_only(model) in ("MLA attention", "attention sinks"):
+        return None  # mlx-lm's shard() splits these where _even says the shares divide
+    hidden = _hidden(model)
+    for i, layer in enumerate(layers):
+        if (why := _layer_refusal(layer, hidden)) is not None:
+            return f"{family}: tensor parallelism (tp={n}) cannot split layer {i}: {why}"
+    return None
+
+
+_QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _layer_refusal(layer: nn.Module, hidden: int) -> str | None:
+    """What in this layer our slicing (shard_attention, then shard_mlp or a feed-forward
+    block of any shape: blocks.py) cannot split, or None."""
+    attn = layer.self_attn
+    missing = [p for p in ("q_proj", "k_proj", "v_proj", "o_proj") if p not in attn]
+    if missing or _head_names(attn) is None:
+        what = f"no {', '.join(missing)}" if missing else "no head counts we read"
+        return f"its attention ({type(attn).__name__}) has {what}"
+    other = [k for k, v in attn.items() if k not in _QKVO and blocks.projection(v)]
+    if other:  # e.g. a gate on the heads' outputs, which we do not cut with them
+        return f"its attention ({type(attn).__name__}) has projections we do not split: {other}"
+    if _mlp_refusal(layer) is None or blocks.ffn_child(layer, hidden) is not None:
+        return None
+    why = _mlp_refusal(layer)
+    return f"its feed-forward ({why}) has no projections to and from the hidden width"
+
+
+def _hidden(model: nn.Module) -> int:
+    embedding = anatomy(model).embedding()
+    return width(embedding[1])[1] if embedding is not None else 0
+
+
+def own_shard(model: nn.Module, n: int, weights: list[float]) -> bool:
+    """Whether mlx-lm's own shard() splits this model where our slicing cannot read it:
+    equal shares of a family that has one (its divisibility is mlx-lm's to check)."""
+    return (
+        n > 1
+        and hasattr(model, "shard")
+        and len(set(weights)) == 1
+        and _structural(model, n) is not None
+    )
+
+
+def _refusal(model: nn.Module, n: int, weights: list[float]) -> str | None:
+    """Why `model` cannot be split over n ranks with these weights at all, or None."""
+    if own_shard(model, n, weights):
+        return None
+    if (why := _structural(model, n)) is not None:
+        return why
+    family, first = _family(model), model.layers[0]
     why = _even_only(model)
     if why is None or _even(model, n, weights):
         return None
@@ -258,10 +293,17 @@ def check(
         return
     if (why := _refusal(model, n, weights)) is not None:
         raise ShardingError(why)
-    if _even(model, n, weights):
+    if own_shard(model, n, weights) or _even(model, n, weights):
         return
     _shares(model, n, weights)
     for layer in model.layers:
+        if _mlp_refusal(layer) is not None:
+            if not routed:
+                raise ShardingError(
+                    f"{_family(model)}: expert parallelism needs routed experts in a block "
+                    f"it knows; {type(layer).__name__} has {_mlp_refusal(layer)}"
+                )
+            continue  # blocks.shard_ffn splits it
         for gate, down, experts in _glus(layer, routed):
             glu_split(gate, down, weights, experts)
 
@@ -308,13 +350,16 @@ def shard(
     check(model, n, weights, routed)
     if n == 1:
         return "none"
-    if _even(model, n, weights):
+    if own_shard(model, n, weights) or _even(model, n, weights):
         model.shard(group)
         return "mlx-lm"
     shares = _shares(model, n, weights)
+    hidden = _hidden(model)
     for layer in model.layers:
         shard_attention(layer.self_attn, shares[rank], group)
-        if "mlp" in layer:
+        if _mlp_refusal(layer) is not None:
+            blocks.shard_ffn(layer, hidden, weights, rank, group)
+        elif "mlp" in layer:
             shard_mlp(layer.mlp, weights, rank, group, routed)
         else:
             # A MoE block that cannot all_sum itself (Mixtral): split its experts' channels

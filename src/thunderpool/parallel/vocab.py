@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from thunderpool.errors import ShardingError
+from thunderpool.parallel.anatomy import anatomy
 from thunderpool.parallel.heads import proportional_split
 
 _TENSORS = ("weight", "scales", "biases", "bias")
@@ -142,6 +143,8 @@ def split_vocab(
     """Replace the model's embedding and output head by this rank's rows of them, with row
     shares in proportion to the TP weights. `read` loads rows (stored_rows.StoredRows.rows)."""
     weights = weights or [1.0] * group.size()
+    if not anatomy(model).standard:
+        return  # a decoder elsewhere (or its embedding under another name): kept whole
     inner = getattr(model, "model", None)
     embed = getattr(inner, "embed_tokens", None)
     head = getattr(model, "lm_head", None)

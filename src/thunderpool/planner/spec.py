@@ -26,6 +26,7 @@ from thunderpool.planner.layers import (
     moe,
     weights_for,
 )
+from thunderpool.planner.structure import spec_fields
 
 SUPPORTED = (
     "llama",
@@ -267,9 +268,6 @@ def model_spec_from_config(
     """
     model_type = config.get("model_type")
     if model_type not in SUPPORTED:
-        # Every other family: priced from mlx-lm's own model, built lazily (structure.py).
-        from thunderpool.planner.structure import structural_spec
-
         return structural_spec(config, dtype_bytes, kv_dtype_bytes)
     family = _FAMILY.get(model_type, "qwen")
     w = weights_for(config, dtype_bytes)
@@ -335,6 +333,13 @@ def model_spec_from_config(
         index_topk=config.get("index_topk", 0) if family == "v4" else 0,
         head_unit=config_head_unit(config) if family not in ("mla", "v4") else 1,
     )
+
+
+def structural_spec(
+    config: dict, dtype_bytes: float = 2.0, kv_dtype_bytes: float = 2.0
+) -> ModelSpec:
+    """Any family mlx-lm builds: priced from its own model, built lazily (structure.py)."""
+    return ModelSpec(**spec_fields(config, dtype_bytes, kv_dtype_bytes))
 
 
 def _outer(config: dict, w, family: str, parts: list) -> tuple:

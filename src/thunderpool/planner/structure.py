@@ -134,12 +134,11 @@ def _layer(layer: nn.Module, w: Weights, top_k: int) -> _Layer:
     return out
 
 
-def structural_spec(config: dict, dtype_bytes: float = 2.0, kv_dtype_bytes: float = 2.0):
-    """The ModelSpec of `config`, from its lazily built mlx-lm model. KV bytes per token
+def spec_fields(config: dict, dtype_bytes: float = 2.0, kv_dtype_bytes: float = 2.0) -> dict:
+    """ModelSpec's fields for `config`, from its lazily built mlx-lm model. KV bytes per token
     count every layer's k/v (or latent) projections in full: a sliding window's cap is not
     taken off, so long contexts are priced high, never low."""
     from thunderpool.parallel.anatomy import anatomy, width
-    from thunderpool.planner.spec import ModelSpec
 
     model = build_lazy(config)
     body = anatomy(model)
@@ -162,7 +161,7 @@ def structural_spec(config: dict, dtype_bytes: float = 2.0, kv_dtype_bytes: floa
     head_params = sum(v.size for n, v in outer if n.startswith("lm_head.")) or vocab * hidden
     heads, kv_heads, head_dim = _heads(model.layers)
     kv_widths = [_kv_width(layer) for layer in model.layers]
-    return ModelSpec(
+    return dict(
         model_type=str(config.get("model_type")),
         layers=len(layers),
         hidden=hidden,
