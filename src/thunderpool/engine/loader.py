@@ -25,7 +25,7 @@ from thunderpool.engine import kv_quant
 from thunderpool.engine.compiled import wanted
 from thunderpool.engine.runner import Runner
 from thunderpool.errors import ModelError
-from thunderpool.models import published
+from thunderpool.models import published, shape
 from thunderpool.parallel import experts, pipeline, tensor, vocab
 from thunderpool.parallel.layout import Layout
 from thunderpool.parallel.packing import config_head_unit
@@ -322,7 +322,7 @@ def preflight(model_dir: Path, world_size: int, layout: Layout) -> dict:
 
 def describe_layout(config: dict, layout: Layout, world: int) -> dict:
     """Which layers and heads each rank holds, for the dashboard and /v1/cluster."""
-    n_layers = config["num_hidden_layers"]
+    n_layers = shape.n_layers(config)
     if world == 1:
         return {
             "parallel": "single",
@@ -336,9 +336,11 @@ def describe_layout(config: dict, layout: Layout, world: int) -> dict:
         bounds = split_layers(n_layers, world, list(layout.layer_split or []) or None)
         ranks = [{"rank": r, "layers": list(b), "heads": None} for r, b in enumerate(bounds)]
         return {"parallel": "pp", "ranks": ranks}
-    heads = config.get("num_attention_heads", 0)
-    kv = config.get("num_key_value_heads") or heads
+    heads, kv = shape.heads(config, 0), shape.kv_heads(config)
     weights = list(layout.tp_weights or [1.0] * world)
+    if not heads:  # attention we do not read as heads (linear attention, fused): layers only
+        ranks = [{"rank": r, "layers": [0, n_layers], "heads": None} for r in range(world)]
+        return {"parallel": layout.parallel, "ranks": ranks}
     shares = tensor.split_heads(heads, kv, weights, config_head_unit(config))
     ranks = [
         {"rank": r, "layers": [0, n_layers], "heads": {"q": [s.q0, s.q1], "kv": [s.kv0, s.kv1]}}
@@ -354,8 +356,5 @@ def describe_layout(config: dict, layout: Layout, world: int) -> dict:
 
 
 # config.json's routed-expert count, by family.
-_EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
-
-
 def _routed_experts(config: dict) -> int:
-    return next((int(config[k]) for k in _EXPERT_KEYS if config.get(k)), 0)
+    return shape.experts(config)

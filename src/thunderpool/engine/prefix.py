@@ -116,6 +116,7 @@ def kv_bytes_per_token(config: dict, kv_bits: int | None = None, kv_group_size: 
     try:
         return model_spec_from_config(config, kv_dtype_bytes=width).kv_bytes_per_token()
     except (ThunderpoolError, KeyError, TypeError, ValueError):
-        heads = config.get("num_key_value_heads") or config.get("num_attention_heads", 1)
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        return 2.0 * config["num_hidden_layers"] * heads * head_dim * width
+        from thunderpool.models import shape
+
+        kv = shape.kv_heads(config) or 1
+        return 2.0 * shape.n_layers(config) * kv * shape.head_dim(config) * width

@@ -117,9 +117,18 @@ _KDA = {"kda_layers": [1, 3], "full_attn_layers": [2, 4], "num_heads": 8, "head_
         "short_conv_kernel_size": 4}  # linear (KDA) and MLA layers alternating
 _MLA = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
         "qk_rope_head_dim": 64, "v_head_dim": 128}
+_V3 = {"n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8,
+       "topk_group": 4, "first_k_dense_replace": 3, "topk_method": "noaux_tc",
+       "scoring_func": "sigmoid", "norm_topk_prob": True, "routed_scaling_factor": 2.5}
+_SWA3 = {"layer_types": [_SWA] * 3 + [_FULL]}
 HINTS: dict[str, dict] = {
     "afmoe": {"layer_types": [_SWA] * 3 + [_FULL]},
     "baichuan_m1": {"num_hidden_layers": 4, "sliding_window_layers": [1, 3]},
+    "deepseek": {"n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+                 "first_k_dense_replace": 1},
+    "deepseek_v3": _V3, "deepseek_v32": _V3, "kimi_k25": {"text_config": _V3},
+    "kimi_vl": {"text_config": {**_V3, "n_routed_experts": 64, "n_shared_experts": 2,
+                                "num_experts_per_tok": 6, "n_group": 1, "topk_group": 1}},
     "dbrx": {"n_heads": 8, "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0,
                                            "rope_theta": 500000.0},
              "ffn_config": {"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4}},
@@ -177,10 +186,15 @@ HINTS: dict[str, dict] = {
                    "num_experts_per_tok": 6, "n_shared_experts": 1, "moe_intermediate_size": 1856,
                    "moe_shared_expert_intermediate_size": 3712, "n_group": 1, "topk_group": 1,
                    "norm_topk_prob": True, "routed_scaling_factor": 2.5},
+    "olmo3": _SWA3, "muse_glimmer": _SWA3,
+    "olmo_hybrid": {"layer_types": ["linear_attention"] * 3 + [_FULL]},
     "openelm": {"num_transformer_layers": 4, "num_query_heads": [4, 4, 8, 8],
                 "num_kv_heads": [2, 2, 4, 4], "ffn_multipliers": [0.5, 1.0, 2.0, 4.0]},
     "plamo": {"num_attention_heads": 16},  # whole groups of n_shared_head (8)
     "qwen3": {"rope_theta": 1000000.0},
+    "qwen3_5_moe": {"text_config": {"num_experts": 256, "num_experts_per_tok": 8,
+                                    "moe_intermediate_size": 512,
+                                    "shared_expert_intermediate_size": 512}},
     "qwen3_vl": {"text_config": {"rope_theta": 5000000.0}},
     "recurrent_gemma": {"block_types": ["recurrent", "recurrent", "attention"]},
     "spark2_5": {"layer_types": [_SWA] * 3 + [_FULL], "rope_parameters": _ROPE2},
@@ -259,6 +273,8 @@ def _shrink(config: dict, layers: int | None, outer: int | None) -> dict:
                 out[key] = out[key] % out[period]
         if isinstance(n := out.get("num_kv_shared_layers"), int):
             out["num_kv_shared_layers"] = min(n, layers // 2)
+    if all(isinstance(out.get(k), int) for k in ("mamba_d_ssm", "mamba_n_heads", "mamba_d_head")):
+        out["mamba_d_ssm"] = out["mamba_n_heads"] * out["mamba_d_head"]  # falcon_h1's SSM width
     if isinstance(out.get("n_group"), int) and out["n_group"] > 1:
         out["n_group"], out["topk_group"] = 2, 1  # group-limited routing over 8 experts
     return out
@@ -286,16 +302,18 @@ def _relayer(key: str, value: Any, count: int | None, layers: int) -> Any:
 def _cut(seq: list, n: int) -> list:
     """`seq` as `n` entries with the same pattern: a leading run, then a repeating period
     (whose runs shrink to one entry each where the period would not fit twice)."""
-    if len(seq) == n:
-        return seq
     head, period = min(
         ((seq[:o], seq[o:o + p]) for o in range(len(seq)) for p in range(1, len(seq) - o + 1)
          if all(seq[i] == seq[o + (i - o) % p] for i in range(o, len(seq)))),
         key=lambda hp: len(hp[0]) + len(hp[1]),
     )
-    if len(seq) > n and len(head) + 2 * len(period) > n:
+    if len(head) + 2 * len(period) > n:  # each kind twice, so a PP cut keeps them all
         head, period = _runs(head), _runs(period)
-    return (head + period * n)[:n]
+    out = (head + period * n)[:n]
+    kinds = [x for i, x in enumerate(seq) if x not in seq[:i]]
+    if any(k not in out for k in kinds):  # no short pattern (e.g. nemotron_h's): kinds in turn
+        out = (kinds * n)[:n]
+    return out
 
 
 def _runs(seq: list) -> list:

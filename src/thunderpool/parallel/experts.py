@@ -21,6 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from thunderpool.errors import ShardingError
+from thunderpool.models import shape
 from thunderpool.parallel import tensor
 from thunderpool.parallel.heads import proportional_split
 from thunderpool.parallel.tensor import SumAfter, _mlp_of
@@ -31,12 +32,11 @@ EXPERT_NAMES = ("switch_mlp", "experts")
 # global_scale: nvfp4's one tensor scale per expert (mlx-lm's quantize_model global_scale).
 _TENSORS = ("weight", "scales", "biases", "bias", "global_scale")
 # config.json's routed-expert count, by family (deepseek/glm, qwen, mixtral/gpt-oss).
-_EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 
 
 def routed_experts(config: dict) -> int:
     """Routed experts per MoE layer as config.json states them; 0 for a dense model."""
-    return next((int(config[k]) for k in _EXPERT_KEYS if config.get(k)), 0)
+    return shape.experts(config)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from thunderpool.errors import ShardingError
+from thunderpool.models import shape
 from thunderpool.parallel import tensor, vocab
 from thunderpool.parallel.handoff import HandoffError, Link, Topology, check_groups
 from thunderpool.parallel.packing import config_head_unit
@@ -111,10 +112,9 @@ def load_stage(
 def describe(config: dict, layout) -> dict:
     """Which stage, layers and heads each rank holds (global rank order), for /v1/cluster."""
     groups = tuple(layout.groups or ())
-    n_layers = config["num_hidden_layers"]
+    n_layers = shape.n_layers(config)
     bounds = split_layers(n_layers, len(groups), list(layout.layer_split or []) or None)
-    heads = config.get("num_attention_heads", 0)
-    kv = config.get("num_key_value_heads") or heads
+    heads, kv = shape.heads(config, 0), shape.kv_heads(config)
     ranks = []
     for s, n in enumerate(groups):
         weights = group_weights(groups, s, layout.tp_weights) or [1.0] * n

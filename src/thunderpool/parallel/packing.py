@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from math import gcd, lcm
 
 from thunderpool.errors import ShardingError
+from thunderpool.models import shape
 
 # The modes mx.quantize knows, with the (bits, group_size) each allows: affine takes any of
 # 2..8 bits at groups of 32, 64 or 128; the microscaling formats exactly one pair each.
@@ -110,12 +111,12 @@ def config_head_unit(config: dict) -> int:
     """head_unit of a GQA model as its config.json quantizes the layers' o_proj (for the
     planner and the layout description, which have no loaded model)."""
     q = config.get("quantization")
-    heads = config.get("num_attention_heads") or 0
+    heads = shape.heads(config, 0)
     if not isinstance(q, dict) or not heads or config.get("kv_lora_rank"):
         return 1  # plain, or MLA (split in equal shares by mlx-lm's own shard())
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    head_dim = shape.head_dim(config)
     steps = []
-    for i in range(config.get("num_hidden_layers", 0)):
+    for i in range(shape.n_layers(config)):
         p = from_config(q.get(f"model.layers.{i}.self_attn.o_proj", q))
         if p is not None and heads * head_dim % p.group_size == 0:  # else left in float
             steps.append(p.step)

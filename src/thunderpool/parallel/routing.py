@@ -17,6 +17,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from thunderpool.errors import ModelError
+from thunderpool.models import shape
 from thunderpool.parallel.experts import moe_experts, n_experts
 
 ROUTING_FILE = "thunderpool-routing.json"  # next to the model, where `route-counts` writes
@@ -87,9 +88,7 @@ def measure(model: nn.Module, config: dict, prompts: list[list[int]]) -> Routing
         tokens += len(ids)
     for block, name, counter in counters.values():  # the experts back: the model is as it was
         block[name] = counter.inner
-    k = next(
-        (int(config[x]) for x in ("num_experts_per_tok", "experts_per_token") if x in config), 0
-    )
+    k = shape.experts_per_token(config)
     return RoutingCounts(
         model_type=str(config.get("model_type", "")),
         experts=n,

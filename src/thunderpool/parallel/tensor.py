@@ -61,6 +61,8 @@ HEAD_NAMES = (
     ("n_heads", "n_kv_heads"),
     ("num_heads", "num_key_value_heads"),
     ("num_attention_heads", "num_key_value_heads"),
+    ("num_attention_heads", "num_kv_heads"),
+    ("num_heads", "num_kv_heads"),
 )
 
 

@@ -143,9 +143,9 @@ def split_vocab(
     """Replace the model's embedding and output head by this rank's rows of them, with row
     shares in proportion to the TP weights. `read` loads rows (stored_rows.StoredRows.rows)."""
     weights = weights or [1.0] * group.size()
-    if not anatomy(model).standard:
-        return  # a decoder elsewhere (or its embedding under another name): kept whole
     inner = getattr(model, "model", None)
+    if getattr(model, "layers", None) and "embed_tokens" not in (anatomy(model).decoder or {}):
+        return  # a decoder elsewhere, or its embedding under another name: kept whole
     embed = getattr(inner, "embed_tokens", None)
     head = getattr(model, "lm_head", None)
     if head is not None:

@@ -16,6 +16,7 @@ from thunderpool.cluster.weights.shards import (
     Piece,
 )
 from thunderpool.errors import ShardingError
+from thunderpool.models import shape
 from thunderpool.parallel.experts import ExpertShare, routed_experts, split_experts
 from thunderpool.parallel.heads import proportional_split, split_heads
 from thunderpool.parallel.packing import Packing, from_config, head_unit
@@ -96,7 +97,7 @@ def _ep_piece(
 
 def _in_stage(name: str, config: dict, layout: RankLayout, stage: int, stages: int) -> bool:
     """Whether stage `stage` of `stages` (a PP rank, or a hybrid group) reads `name`."""
-    n_layers = config["num_hidden_layers"]
+    n_layers = shape.n_layers(config)
     bounds = split_layers(n_layers, stages, list(layout.layer_split or []) or None)
     start, end = bounds[stage]
     if m := _LAYER.search(name):
@@ -165,9 +166,7 @@ def _split_features(
             or f"{prefix}self_attn.kv_a_proj_with_mqa.weight" in index.tensors
         ):
             return None  # MLA attention splits through mlx-lm's own shard(): whole
-        heads = config["num_attention_heads"]
-        kv = config.get("num_key_value_heads") or heads
-        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        heads, kv, head_dim = shape.heads(config), shape.kv_heads(config), shape.head_dim(config)
         try:
             share = split_heads(heads, kv, weights, _head_unit(index, head_dim))[rank]
         except ShardingError:
