@@ -26,6 +26,8 @@ def overlaps(runner: Runner) -> bool:
     there the Python that builds a step takes the compute thread's core, and each rank's
     stall then holds up the other at the next all_sum."""
     gpu = mx.default_device().type == mx.DeviceType.gpu
+    if not getattr(runner.stage, "overlaps", True):
+        return False
     return gpu or runner.size == 1 or runner.stage is not None or own_cores() > 1
 
 

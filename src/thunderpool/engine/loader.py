@@ -26,8 +26,10 @@ from thunderpool.engine.compiled import wanted
 from thunderpool.engine.runner import Runner
 from thunderpool.errors import ModelError
 from thunderpool.models import published, shape
-from thunderpool.parallel import experts, pipeline, tensor, vocab
+from thunderpool.parallel import experts, native, pipeline, tensor, vocab
+from thunderpool.parallel.anatomy import anatomy
 from thunderpool.parallel.layout import Layout
+from thunderpool.parallel.native import NativeStage
 from thunderpool.parallel.packing import config_head_unit
 from thunderpool.parallel.pipeline import PipelineStage, split_layers
 from thunderpool.parallel.stored_rows import StoredRows
@@ -251,6 +253,10 @@ def load_shard(
 
         stage = hybrid.load_stage(model, group, layout, StoredRows.of(model_dir).rows)
         bounds, method = stage.bounds[stage.rank], "hybrid"
+    elif group.size() > 1 and layout.parallel == "pp" and native.hands_more(anatomy(model).decoder):
+        native.check(model, group.size(), list(layout.layer_split or []) or None)
+        stage = NativeStage(model, group)  # mlx-lm's own pipeline(): the family's hand-off
+        bounds, method = (stage.start, stage.end), "pp-mlx-lm"
     elif group.size() > 1 and layout.parallel == "pp":
         split = split_layers(n_layers, group.size(), list(layout.layer_split or []) or None)
         stage = PipelineStage(model, group, split)
@@ -276,7 +282,7 @@ def load_shard(
             )
     try:
         for i, layer in enumerate(model.layers):
-            mx.eval(layer.parameters())
+            mx.eval(layer.parameters() if layer is not None else [])
             if progress is not None:
                 progress((i + 1) / (len(model.layers) + 1))
         mx.eval(model.parameters())
@@ -310,7 +316,11 @@ def preflight(model_dir: Path, world_size: int, layout: Layout) -> dict:
 
         hybrid.check(model, layout.groups or (), layout.tp_weights, layout.layer_split)
     elif world_size > 1 and layout.parallel == "pp":
-        pipeline.check(model, world_size, list(layout.layer_split or []) or None)
+        split = list(layout.layer_split or []) or None
+        if native.hands_more(anatomy(model).decoder):
+            native.check(model, world_size, split)
+        else:
+            pipeline.check(model, world_size, split)
     elif world_size > 1 and layout.parallel == "ep":
         counts = list(layout.expert_split or []) or None
         weights = list(layout.tp_weights or []) or None

@@ -114,7 +114,8 @@ def anatomy(model: nn.Module) -> Anatomy:
     found = None
     for name, module in modules.items():
         for key, value in module.items():
-            if isinstance(value, list) and value and value[0] is layers[0]:
+            # Any place: mlx-lm's own pipeline() leaves None for another stage's layers.
+            if isinstance(value, list) and any(v is layers[0] for v in value):
                 found = (name, key)
                 break
         if found:

@@ -232,12 +232,14 @@ def _hidden(model: nn.Module) -> int:
 def own_shard(model: nn.Module, n: int, weights: list[float]) -> bool:
     """Whether mlx-lm's own shard() splits this model where our slicing cannot read it:
     equal shares of a family that has one (its divisibility is mlx-lm's to check)."""
-    return (
-        n > 1
-        and hasattr(model, "shard")
-        and len(set(weights)) == 1
-        and _structural(model, n) is not None
+    if n <= 1 or not hasattr(model, "shard") or len(set(weights)) > 1:
+        return False
+    # An even-only family (MLA, sinks) whose o_proj we cannot read (DeepSeek V4.1's grouped
+    # o_a/o_b): mlx-lm's shard() checks its own divisibility.
+    unread = _even_only(model) is not None and any(
+        "o_proj" not in layer.self_attn for layer in model.layers if "self_attn" in layer
     )
+    return unread or _structural(model, n) is not None
 
 
 def _refusal(model: nn.Module, n: int, weights: list[float]) -> str | None:
