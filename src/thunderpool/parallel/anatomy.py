@@ -84,7 +84,24 @@ class Anatomy:
         return None
 
     def norm(self) -> str | None:
+        """The final norm: the module the decoder's forward returns the output of (lfm2 calls
+        it embedding_norm), else the first of the usual names."""
+        returned = _returned_module(self.decoder)
+        if returned is not None and isinstance(self.decoder.get(returned), nn.Module):
+            return returned
         return next((n for n in NORMS if isinstance(self.decoder.get(n), nn.Module)), None)
+
+    def head_inside(self) -> str | None:
+        """A projection onto the vocabulary inside the decoder itself (GPT-NeoX's embed_out):
+        then the decoder's output is logits, not a hidden state."""
+        vocab = width(self.embedding()[1])[0] if self.embedding() is not None else 0
+        for name, child in self.decoder.items():
+            if not isinstance(child, nn.Module) or table(child) is not None:
+                continue
+            w = child.get("weight")
+            if isinstance(w, mx.array) and w.ndim == 2 and w.shape[0] == vocab:
+                return name
+        return None
 
     def hidden(self, tokens: mx.array, cache=None) -> mx.array:
         """The decoder's output (after its final norm) for `tokens`."""
@@ -99,6 +116,25 @@ class Anatomy:
         finally:
             self.parent[self.attr] = decoder
         return out[0] if isinstance(out, tuple) else out
+
+
+def _returned_module(decoder: nn.Module) -> str | None:
+    """X where the decoder's forward ends `return self.X(...)`, read from its source."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(decoder).__call__)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    returns = [n for n in ast.walk(tree) if isinstance(n, ast.Return) and n.value is not None]
+    if len(returns) != 1 or not isinstance(call := returns[0].value, ast.Call):
+        return None
+    func = call.func
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        return func.attr if func.value.id == "self" else None
+    return None
 
 
 def anatomy(model: nn.Module) -> Anatomy:

@@ -84,8 +84,13 @@ class _Skip(nn.Module):
         # A plain attribute, not a module entry: an array set on a Module becomes a parameter.
         object.__setattr__(self, "received", h)
 
-    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
-        return x if self.received is None else self.received
+    def __call__(self, *args, **kwargs) -> mx.array:
+        if self.received is not None:
+            return self.received
+        # The hidden state: the first argument, or the first array passed by keyword.
+        if args:
+            return args[0]
+        return next(v for v in kwargs.values() if isinstance(v, mx.array))
 
 
 def _parts(model: nn.Module) -> tuple:
@@ -98,6 +103,12 @@ def _parts(model: nn.Module) -> tuple:
         raise ShardingError(
             f"{type(model).__module__}: its decoder ({body.path}) has no {what} this "
             "pipeline can hand over at; use --parallel tp or --nodes 1"
+        )
+    if (head := body.head_inside()) is not None:
+        raise ShardingError(
+            f"{type(model).__module__}: its decoder ({body.path}) applies the output head "
+            f"({head}) itself, so no stage hands over a hidden state at its end; use "
+            "--parallel tp or --nodes 1"
         )
     *owner_path, attr = body.layers_attr.split(".")
     owner = inner

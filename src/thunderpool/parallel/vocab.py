@@ -144,7 +144,7 @@ def split_vocab(
     shares in proportion to the TP weights. `read` loads rows (stored_rows.StoredRows.rows)."""
     weights = weights or [1.0] * group.size()
     inner = getattr(model, "model", None)
-    if getattr(model, "layers", None) and "embed_tokens" not in (anatomy(model).decoder or {}):
+    if getattr(model, "layers", None) and not anatomy(model).standard:
         return  # a decoder elsewhere, or its embedding under another name: kept whole
     embed = getattr(inner, "embed_tokens", None)
     head = getattr(model, "lm_head", None)
