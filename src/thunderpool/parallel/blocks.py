@@ -93,6 +93,21 @@ def feed_forwards(block: nn.Module, hidden: int) -> list[tuple[list[nn.Module], 
     return found
 
 
+def stacked_experts(layer: nn.Module, hidden: int) -> tuple[nn.Module, str] | None:
+    """(parent, name) of the routed experts stacked (E, out, in) in the layer's block."""
+    name = ffn_child(layer, hidden)
+    if name is None:
+        return None
+    for _, m in layer[name].named_modules():
+        for key, child in m.items():
+            if not isinstance(child, nn.Module) or "Linear" in type(child).__name__:
+                continue
+            projs = [c for c in child.values() if projection(c)]
+            if len(projs) >= 2 and all(p["weight"].ndim == 3 for p in projs):
+                return m, key
+    return None
+
+
 def ffn_child(layer: nn.Module, hidden: int) -> str | None:
     """The layer's feed-forward child (not its attention) that `feed_forwards` can split."""
     for name, child in layer.items():
@@ -103,12 +118,17 @@ def ffn_child(layer: nn.Module, hidden: int) -> str | None:
     return None
 
 
-def shard_ffn(layer: nn.Module, hidden: int, weights: list[float], rank: int, group) -> None:
-    """Split every feed-forward of the layer's block on its channels; sum the block's output."""
+def shard_ffn(
+    layer: nn.Module, hidden: int, weights: list[float], rank: int, group, routed: bool = True
+) -> None:
+    """Split every feed-forward of the layer's block on its channels (not stacked routed
+    experts where `routed` is False: expert parallelism gives them whole); sum the block."""
     name = ffn_child(layer, hidden)
     if name is None:
         raise ShardingError(f"{type(layer).__name__} has no feed-forward block to split")
     for ins, out in feed_forwards(layer[name], hidden):
+        if not routed and out["weight"].ndim == 3:
+            continue
         channels = _dims(out)[1]
         a, b = proportional_split(channels, weights, step_of(out, *ins))[rank]
         for proj in ins:

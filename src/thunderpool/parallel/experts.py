@@ -22,7 +22,7 @@ import numpy as np
 
 from thunderpool.errors import ShardingError
 from thunderpool.models import shape
-from thunderpool.parallel import tensor
+from thunderpool.parallel import blocks, tensor
 from thunderpool.parallel.heads import proportional_split
 from thunderpool.parallel.tensor import SumAfter, _mlp_of
 from thunderpool.parallel.vocab import RowReader
@@ -169,9 +169,19 @@ def moe_experts(layer: nn.Module) -> tuple[nn.Module, str] | None:
     mlp = _mlp_of(layer) if ("mlp" in layer or "block_sparse_moe" in layer) else None
     if isinstance(mlp, SumAfter):  # TP's wrapper around a block that cannot sum itself
         mlp = mlp.inner
-    if mlp is None:
-        return None
-    return next(((mlp, n) for n in EXPERT_NAMES if n in mlp and _stacked(mlp[n])), None)
+    found = None
+    if mlp is not None:
+        found = next(((mlp, n) for n in EXPERT_NAMES if n in mlp and _stacked(mlp[n])), None)
+    if found is None and "self_attn" in layer:  # a block of another shape (parallel/blocks.py)
+        hidden = next((p["weight"].shape[0] for p in _o_projs(layer)), 0)
+        found = blocks.stacked_experts(layer, hidden) if hidden else None
+    return found
+
+
+def _o_projs(layer: nn.Module) -> list[nn.Module]:
+    o = layer.self_attn.get("o_proj") if isinstance(layer.self_attn, nn.Module) else None
+    o = getattr(o, "inner", o)  # under TP's SumAfter
+    return [o] if isinstance(o, nn.Module) and "weight" in o else []
 
 
 def _stacked(experts: nn.Module) -> bool:

@@ -302,11 +302,6 @@ def check(
     _shares(model, n, weights)
     for layer in model.layers:
         if _mlp_refusal(layer) is not None:
-            if not routed:
-                raise ShardingError(
-                    f"{_family(model)}: expert parallelism needs routed experts in a block "
-                    f"it knows; {type(layer).__name__} has {_mlp_refusal(layer)}"
-                )
             continue  # blocks.shard_ffn splits it
         for gate, down, experts in _glus(layer, routed):
             glu_split(gate, down, weights, experts)
@@ -362,7 +357,7 @@ def shard(
     for layer in model.layers:
         shard_attention(layer.self_attn, shares[rank], group)
         if _mlp_refusal(layer) is not None:
-            blocks.shard_ffn(layer, hidden, weights, rank, group)
+            blocks.shard_ffn(layer, hidden, weights, rank, group, routed)
         elif "mlp" in layer:
             shard_mlp(layer.mlp, weights, rank, group, routed)
         else:
