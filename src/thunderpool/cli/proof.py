@@ -1,7 +1,8 @@
 """The day-0 proof: a family this release never saw runs sharded only once a tiny model of
 the same architecture gave the same answer on the layout as on one rank.
 
-A newer mlx-lm brings families models/verified.json does not list. Before loading the real
+A newer mlx-lm brings families models/verified.json does not list, and that file's layouts ran
+on 2 ranks: a family proven there runs on more only after the same proof. Before loading the real
 weights, `admit` shrinks the checkpoint's own config (models/tiny.py: widths small; layer
 kinds, head and expert counts kept), writes a random fp32 checkpoint of it, runs it on one
 rank and on the requested layout over the same backend, and compares greedy tokens and
@@ -53,7 +54,8 @@ def admit(
         warn_untested(reason, console)
         return
     family = family_of(config)
-    if not family.supported or family.name in proven():
+    found = proven().get(family.name, {}).get(parallel)
+    if not family.supported or (family.name in proven() and found != "ok"):
         check_layout(config, world, parallel)  # raises the recorded refusal
         return
     verdict = _verdict(config, world, parallel, backend, console)

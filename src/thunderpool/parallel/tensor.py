@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from thunderpool.errors import ShardingError
-from thunderpool.parallel import blocks
+from thunderpool.parallel import blocks, linear_attn
 from thunderpool.parallel.anatomy import anatomy, width
 from thunderpool.parallel.blocks import SumAfter, _mlp_of, _mlp_of_or_none, _mlp_refusal
 from thunderpool.parallel.heads import HeadShare, proportional_split, split_heads
@@ -49,7 +49,7 @@ def _o_in(attn: nn.Module) -> int:
 
 def _head_unit(model: nn.Module) -> int:
     """Whole query heads per cut, so that o_proj is cut on its quantization boundaries."""
-    attn = model.layers[0].self_attn
+    attn = _first_attn(model)
     heads, o_in = _heads(attn)[0], _o_in(attn)
     if not heads or not o_in:
         return 1
@@ -79,11 +79,14 @@ def shard_attention(attn: nn.Module, share: HeadShare, group: mx.distributed.Gro
                 "parallelism needs standard q/k/v/o projections; use --parallel pp for this model"
             )
     q_name, kv_name = names
-    head_dim = attn.q_proj.weight.shape[-2] // getattr(attn, q_name)
-    slice_rows(attn.q_proj, share.q0 * head_dim, share.q1 * head_dim)
-    slice_rows(attn.k_proj, share.kv0 * head_dim, share.kv1 * head_dim)
-    slice_rows(attn.v_proj, share.kv0 * head_dim, share.kv1 * head_dim)
-    slice_cols(attn.o_proj, share.q0 * head_dim, share.q1 * head_dim)
+    # Each projection's own rows per head: Qwen3-Next's q_proj carries a gate per head too.
+    heads, kv = getattr(attn, q_name), getattr(attn, kv_name)
+    q_dim, o_dim = attn.q_proj.weight.shape[-2] // heads, _o_in(attn) // heads
+    k_dim, v_dim = (attn[p].weight.shape[-2] // kv for p in ("k_proj", "v_proj"))
+    slice_rows(attn.q_proj, share.q0 * q_dim, share.q1 * q_dim)
+    slice_rows(attn.k_proj, share.kv0 * k_dim, share.kv1 * k_dim)
+    slice_rows(attn.v_proj, share.kv0 * v_dim, share.kv1 * v_dim)
+    slice_cols(attn.o_proj, share.q0 * o_dim, share.q1 * o_dim)
     attn.o_proj = SumAfter(attn.o_proj, group)
     setattr(attn, q_name, share.q1 - share.q0)
     setattr(attn, kv_name, share.kv1 - share.kv0)
@@ -169,7 +172,7 @@ def _heads(attn: nn.Module) -> tuple[int, int]:
 def _even_only(model: nn.Module) -> str | None:
     """Why only mlx-lm's own even shard() can split this model, or None where our uneven
     slicing can too."""
-    attn = model.layers[0].self_attn
+    attn = _first_attn(model)
     if hasattr(attn, "kv_a_proj_with_mqa"):
         return "MLA attention"
     if hasattr(attn, "sinks"):
@@ -182,14 +185,14 @@ def _even_only(model: nn.Module) -> str | None:
 def _structural(model: nn.Module, n: int) -> str | None:
     """Why our slicing cannot read this model's layers (then only mlx-lm's shard() can)."""
     family, layers = _family(model), model.layers
-    odd = next((i for i, layer in enumerate(layers) if not hasattr(layer, "self_attn")), None)
+    odd = next((i for i, layer in enumerate(layers) if not _splittable_attn(layer)), None)
     if odd is not None:
         kinds = [k for k, v in layers[odd].items() if isinstance(v, nn.Module)]
         return (
             f"{family}: tensor parallelism (tp={n}) splits attention with q/k/v/o projections; "
             f"layer {odd} ({type(layers[odd]).__name__}: {', '.join(kinds)}) has none"
         )
-    first = layers[0]
+    first = next(layer for layer in layers if "self_attn" in layer)
     if hasattr(first.self_attn, "qkv_proj") or hasattr(_mlp_of_or_none(first), "gate_up_proj"):
         return (
             f"{family}: tensor parallelism (tp={n}) cannot split its fused qkv_proj/gate_up_proj "
@@ -207,10 +210,25 @@ def _structural(model: nn.Module, n: int) -> str | None:
 _QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
+def _first_attn(model: nn.Module) -> nn.Module:
+    """The first layer's softmax attention (Qwen3-Next's first layers are linear)."""
+    return next((layer.self_attn for layer in model.layers if "self_attn" in layer), nn.Module())
+
+
+def _splittable_attn(layer: nn.Module) -> bool:
+    """Softmax attention (checked by _layer_refusal), or a Gated DeltaNet we split."""
+    la = layer.get("linear_attn")
+    return "self_attn" in layer or (la is not None and linear_attn.is_gated_deltanet(la))
+
+
 def _layer_refusal(layer: nn.Module, hidden: int) -> str | None:
     """What in this layer our slicing (shard_attention, then shard_mlp or a feed-forward
     block of any shape: blocks.py) cannot split, or None."""
-    attn = layer.self_attn
+    attn = layer.get("self_attn")
+    if attn is None:  # a Gated DeltaNet layer (_splittable_attn): linear_attn.py splits it
+        return None if _mlp_refusal(layer) is None or blocks.ffn_child(layer, hidden) else (
+            "its feed-forward has no projections to and from the hidden width"
+        )
     missing = [p for p in ("q_proj", "k_proj", "v_proj", "o_proj") if p not in attn]
     if missing or _head_names(attn) is None:
         what = f"no {', '.join(missing)}" if missing else "no head counts we read"
@@ -248,11 +266,11 @@ def _refusal(model: nn.Module, n: int, weights: list[float]) -> str | None:
         return None
     if (why := _structural(model, n)) is not None:
         return why
-    family, first = _family(model), model.layers[0]
+    family = _family(model)
     why = _even_only(model)
     if why is None or _even(model, n, weights):
         return None
-    heads = _heads(first.self_attn)[0]
+    heads = _heads(_first_attn(model))[0]
     ok = [d for d in range(2, heads + 1) if _even(model, d, [1.0] * d)]
     fix = f"use tp in {ok} with equal weights" if ok else "no equal split of it works"
     return (
@@ -269,6 +287,8 @@ def _even(model: nn.Module, n: int, weights: list[float]) -> bool:
         return False  # mlx's shard_linear would split nvfp4's per-expert scales as channels
     step = head_step(model)[0]
     for layer in model.layers:
+        if "self_attn" not in layer:
+            return False
         heads, kv = _heads(layer.self_attn)
         if not heads or heads % n or kv % n:
             return False
@@ -301,6 +321,8 @@ def check(
         return
     _shares(model, n, weights)
     for layer in model.layers:
+        if "linear_attn" in layer and "self_attn" not in layer:
+            linear_attn.split(layer.linear_attn, weights)
         if _mlp_refusal(layer) is not None:
             continue  # blocks.shard_ffn splits it
         for gate, down, experts in _glus(layer, routed):
@@ -309,7 +331,7 @@ def check(
 
 def _shares(model: nn.Module, n: int, weights: list[float]) -> list[HeadShare]:
     """Each rank's heads on our uneven path, or a one-line refusal naming the format."""
-    heads, kv = _heads(model.layers[0].self_attn)
+    heads, kv = _heads(_first_attn(model))
     unit = _head_unit(model)
     try:
         return split_heads(heads, kv, weights, unit)
@@ -355,7 +377,10 @@ def shard(
     shares = _shares(model, n, weights)
     hidden = _hidden(model)
     for layer in model.layers:
-        shard_attention(layer.self_attn, shares[rank], group)
+        if "self_attn" in layer:
+            shard_attention(layer.self_attn, shares[rank], group)
+        else:
+            linear_attn.shard(layer.linear_attn, weights, rank, group)
         if _mlp_refusal(layer) is not None:
             blocks.shard_ffn(layer, hidden, weights, rank, group, routed)
         elif "mlp" in layer:
