@@ -37,14 +37,18 @@ GEMMA3 = {
 # The table as these tests assume it, whatever the matrix has verified since: the mechanism is
 # under test here (tests/unit/test_families.py checks the real table).
 PINNED = {"llama": ("tp", "pp")}
+# What the all-families matrix found for it, as these tests assume it (a family it never saw
+# would get the day-0 proof instead: tests/engine/test_day0.py).
+FOUND = {"gemma3_text": {"one": "ok", "pp": "greedy tokens differ", "tp": "greedy tokens differ"}}
 CLI = (
     "import sys; import thunderpool.models.families as f; f.VERIFIED = "
-    f"{PINNED!r}; from thunderpool.cli import main; sys.exit(main(sys.argv[1:]))"
+    f"{PINNED!r}; f.proven = lambda: {FOUND!r}; from thunderpool.cli import main; "
+    "sys.exit(main(sys.argv[1:]))"
 )
 REFUSAL = (
-    "error: gemma3_text with pp on 2 ranks is not verified against the unsharded model "
-    "(verified for gemma3_text: none, single rank only); use --nodes 1, or --allow-untested "
-    "to run it anyway"
+    "error: gemma3_text with pp on 2 ranks is not verified against the unsharded model: greedy "
+    "tokens differ (verified for gemma3_text: none, single rank only); use --nodes 1, or "
+    "--allow-untested to run it anyway"
 )
 
 
@@ -84,6 +88,7 @@ def test_generate_refuses_pp_on_an_unverified_family(gemma3):
 @pytest.fixture(autouse=True)
 def pinned(monkeypatch):
     monkeypatch.setattr(families, "VERIFIED", PINNED)
+    monkeypatch.setattr(families, "proven", lambda: FOUND)
 
 
 def test_refusal_starts_no_rank(gemma3, monkeypatch, capsys):
@@ -124,7 +129,7 @@ def test_allow_untested_warns_and_runs(gemma3):
     warning = [ln for ln in proc.stderr.splitlines() if ln.startswith("WARNING")]
     assert warning == [
         "WARNING (--allow-untested): gemma3_text with pp on 2 ranks is not verified against "
-        "the unsharded model (verified for gemma3_text: none, single rank only); its output "
-        "may be wrong"
+        "the unsharded model: greedy tokens differ (verified for gemma3_text: none, single "
+        "rank only); its output may be wrong"
     ]
     assert "2 rank(s), PP" in proc.stderr and "finish:" in proc.stderr

@@ -24,7 +24,8 @@ import numpy as np
 
 from thunderpool.config import state_dir
 from thunderpool.errors import ThunderpoolError, UnverifiedLayoutError
-from thunderpool.models.families import check_layout, family_of, proven, warn_untested
+from thunderpool.models import families
+from thunderpool.models.families import check_layout, family_of, warn_untested
 
 PROMPTS = ((3, 17, 5, 9, 21), tuple(range(7, 35)))  # the second longer than a tiny window
 STEPS = 6
@@ -54,8 +55,8 @@ def admit(
         warn_untested(reason, console)
         return
     family = family_of(config)
-    found = proven().get(family.name, {}).get(parallel)
-    if not family.supported or (family.name in proven() and found != "ok"):
+    found = families.proven().get(family.name, {}).get(parallel)
+    if not family.supported or (family.name in families.proven() and found != "ok"):
         check_layout(config, world, parallel)  # raises the recorded refusal
         return
     verdict = _verdict(config, world, parallel, backend, console)

@@ -20,7 +20,7 @@ from thunderpool.models import shape
 from thunderpool.parallel import tensor, vocab
 from thunderpool.parallel.handoff import HandoffError, Link, Topology, check_groups
 from thunderpool.parallel.packing import config_head_unit
-from thunderpool.parallel.pipeline import PipelineStage, split_layers
+from thunderpool.parallel.pipeline import PipelineStage, _parts, split_layers
 from thunderpool.parallel.vocab import RowReader
 
 
@@ -71,10 +71,11 @@ class HybridStage(PipelineStage):
                 f"stage {topo.stage}'s MLX world has {group.size()} ranks, expected "
                 f"{topo.groups[topo.stage]}"
             )
+        parts = _parts(model)  # where to cut, read before TP splits the embedding
         self.method = tensor.shard(model, group, weights) if group.size() > 1 else "none"
         if topo.stage == 0 and group.size() > 1:
             vocab.split_vocab(model, group, weights, read)
-        super().__init__(model, group, bounds, stage=topo.stage)
+        super().__init__(model, group, bounds, stage=topo.stage, parts=parts)
         self.link, self.topo = link, topo
         self.leads = topo.stage == 0 and topo.rank == 0
 

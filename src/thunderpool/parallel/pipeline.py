@@ -138,9 +138,11 @@ class PipelineStage:
         group: mx.distributed.Group,
         bounds: list[tuple[int, int]],
         stage: int | None = None,
+        parts: tuple | None = None,
     ):
-        """`stage`: this rank's stage when it is not its rank in `group` (hybrid)."""
-        inner, embedding, norm, owner, attr = _parts(model)
+        """`stage`: this rank's stage when it is not its rank in `group` (hybrid); `parts`:
+        _parts(model) read before TP replaced its embedding (hybrid)."""
+        inner, embedding, norm, owner, attr = parts or _parts(model)
         self.model, self.inner, self.group = model, inner, group
         # The stage index and count (PP: the rank and the world; hybrid: its group's stage).
         self.rank = group.rank() if stage is None else stage
