@@ -68,16 +68,27 @@ class _ZeroEmbedding(nn.Module):
         return mx.zeros((*tokens.shape, self.hidden), self.dtype)
 
 
-class _Skip(nn.Module):
-    """Another stage's layer: returns its input, or the received hidden state on the layer
-    just before this stage. Keeps the layer's plain attributes (use_sliding, is_linear, ...)
-    that model forwards read to pick a mask."""
+class _Shell(nn.Module):
+    """A weightless copy of a module's plain attributes (and its children's): what a model's
+    forward reads of another stage's layer to pick a mask (layer.self_attn.is_sliding)."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, module: nn.Module, depth: int = 2):
         super().__init__()
-        for name, value in vars(layer).items():
+        for name, value in vars(module).items():
             if not name.startswith("_") and isinstance(value, bool | int | float | str):
                 setattr(self, name, value)
+        for name, child in module.items():
+            if depth > 0 and isinstance(child, nn.Module):
+                self[name] = _Shell(child, depth - 1)
+
+
+class _Skip(_Shell):
+    """Another stage's layer: returns its input, or the received hidden state on the layer
+    just before this stage. Keeps the layer's plain attributes (use_sliding, is_linear, ...),
+    its children's too, that model forwards read to pick a mask."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__(layer)
         self.hand(None)
 
     def hand(self, h: mx.array | None) -> None:
