@@ -38,7 +38,9 @@ class Runner:
         self.every_position = False  # PP, every rank alike: prefill hands over all positions
         # TP ranks each project onto their part of the vocabulary, then all_gather the logits
         # (hybrid: stage 0's group, the only one that holds the head).
-        self.every_rank_projects = has_split_head(model) and (stage is None or stage.rank == 0)
+        self.every_rank_projects = (
+            has_split_head(model) or self.anatomy.head_gathers(model)
+        ) and (stage is None or stage.rank == 0)
         # Decode steps replay one compiled graph where that is proven equal (engine/compiled.py),
         # its products split over a CPU rank's cores (engine/rowsplit.py).
         self.compiled, self.ways, self.head = None, 1, None

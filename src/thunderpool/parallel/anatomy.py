@@ -103,6 +103,11 @@ class Anatomy:
                 return name
         return None
 
+    def head_gathers(self, model: nn.Module) -> bool:
+        """Whether the head gathers its logits over a group (mlx-lm's shard() split the head
+        of Qwen 3.5): then every rank of the group must project."""
+        return any(getattr(m, "sharding_group", None) is not None for m in (model, self.parent))
+
     def hidden(self, tokens: mx.array, cache=None) -> mx.array:
         """The decoder's output (after its final norm) for `tokens`."""
         return self.decoder(tokens, cache=cache)

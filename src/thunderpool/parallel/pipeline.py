@@ -74,9 +74,16 @@ class _Shell(nn.Module):
 
     def __init__(self, module: nn.Module, depth: int = 2):
         super().__init__()
-        for name, value in vars(module).items():
+        plain = dict(vars(module))
+        for name, attr in vars(type(module)).items():
+            if isinstance(attr, property) and not name.startswith("_"):
+                try:  # spark2_5's layer.is_sliding reads its attention's flag
+                    plain[name] = getattr(module, name)
+                except Exception:  # noqa: BLE001 - a property that needs more than flags
+                    continue
+        for name, value in plain.items():
             if not name.startswith("_") and isinstance(value, bool | int | float | str):
-                setattr(self, name, value)
+                object.__setattr__(self, name, value)
         for name, child in module.items():
             if depth > 0 and isinstance(child, nn.Module):
                 self[name] = _Shell(child, depth - 1)

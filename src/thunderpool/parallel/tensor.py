@@ -18,11 +18,19 @@ import mlx.nn as nn
 
 from thunderpool.errors import ShardingError
 from thunderpool.parallel import blocks, linear_attn
-from thunderpool.parallel.anatomy import anatomy, width
-from thunderpool.parallel.blocks import SumAfter, _mlp_of, _mlp_of_or_none, _mlp_refusal
+from thunderpool.parallel.blocks import SumAfter, _mlp_of, _mlp_refusal
 from thunderpool.parallel.heads import HeadShare, proportional_split, split_heads
 from thunderpool.parallel.packing import head_unit
 from thunderpool.parallel.slicing import packing_of, slice_cols, slice_rows, step_of
+from thunderpool.parallel.tp_reading import (
+    _even_only,
+    _family,
+    _first_attn,
+    _head_names,
+    _heads,
+    _hidden,
+    _structural,
+)
 
 
 def head_step(model: nn.Module) -> tuple[int, str]:
@@ -57,19 +65,6 @@ def _head_unit(model: nn.Module) -> int:
 
 
 # How families name their head counts: llama/qwen/gemma, mixtral, gpt-oss.
-HEAD_NAMES = (
-    ("n_heads", "n_kv_heads"),
-    ("num_heads", "num_key_value_heads"),
-    ("num_attention_heads", "num_key_value_heads"),
-    ("num_attention_heads", "num_kv_heads"),
-    ("num_heads", "num_kv_heads"),
-)
-
-
-def _head_names(attn: nn.Module) -> tuple[str, str] | None:
-    return next((n for n in HEAD_NAMES if hasattr(attn, n[0]) and hasattr(attn, n[1])), None)
-
-
 def shard_attention(attn: nn.Module, share: HeadShare, group: mx.distributed.Group) -> None:
     names = _head_names(attn)
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -88,6 +83,9 @@ def shard_attention(attn: nn.Module, share: HeadShare, group: mx.distributed.Gro
     slice_rows(attn.v_proj, share.kv0 * v_dim, share.kv1 * v_dim)
     slice_cols(attn.o_proj, share.q0 * o_dim, share.q1 * o_dim)
     attn.o_proj = SumAfter(attn.o_proj, group)
+    for name, value in list(attn.items()):  # per-head parameters: sinks, sink biases
+        if isinstance(value, mx.array) and value.ndim == 1 and value.shape[0] == heads:
+            attn[name] = mx.contiguous(value[share.q0 : share.q1])
     setattr(attn, q_name, share.q1 - share.q0)
     setattr(attn, kv_name, share.kv1 - share.kv0)
 
@@ -153,98 +151,6 @@ def _glus(layer: nn.Module, routed: bool = True) -> list[tuple[nn.Module, nn.Mod
     blocks = [(getattr(mlp, "switch_mlp", mlp), switch)] if routed or not switch else []
     blocks += [(getattr(mlp, s), False) for s in ("shared_experts", "shared_expert") if s in mlp]
     return [(b.gate_proj, b.down_proj, e) for b, e in blocks if hasattr(b, "gate_proj")]
-
-
-def _family(model: nn.Module) -> str:
-    args = getattr(model, "args", None) or getattr(model, "config", None)
-    return getattr(args, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1]
-
-
-def _heads(attn: nn.Module) -> tuple[int, int]:
-    """(query heads, KV heads); MLA attention (num_heads only) has as many KV heads."""
-    names = _head_names(attn)
-    if names is not None:
-        return getattr(attn, names[0]), getattr(attn, names[1])
-    heads = getattr(attn, "num_heads", 0)
-    return heads, heads
-
-
-def _even_only(model: nn.Module) -> str | None:
-    """Why only mlx-lm's own even shard() can split this model, or None where our uneven
-    slicing can too."""
-    attn = _first_attn(model)
-    if hasattr(attn, "kv_a_proj_with_mqa"):
-        return "MLA attention"
-    if hasattr(attn, "sinks"):
-        return "attention sinks"
-    if _head_names(attn) is None:
-        return "non-standard attention"
-    return None
-
-
-def _structural(model: nn.Module, n: int) -> str | None:
-    """Why our slicing cannot read this model's layers (then only mlx-lm's shard() can)."""
-    family, layers = _family(model), model.layers
-    odd = next((i for i, layer in enumerate(layers) if not _splittable_attn(layer)), None)
-    if odd is not None:
-        kinds = [k for k, v in layers[odd].items() if isinstance(v, nn.Module)]
-        return (
-            f"{family}: tensor parallelism (tp={n}) splits attention with q/k/v/o projections; "
-            f"layer {odd} ({type(layers[odd]).__name__}: {', '.join(kinds)}) has none"
-        )
-    first = next(layer for layer in layers if "self_attn" in layer)
-    if hasattr(first.self_attn, "qkv_proj") or hasattr(_mlp_of_or_none(first), "gate_up_proj"):
-        return (
-            f"{family}: tensor parallelism (tp={n}) cannot split its fused qkv_proj/gate_up_proj "
-            "projections; use --parallel pp (pipeline parallelism) for this model"
-        )
-    if _even_only(model) in ("MLA attention", "attention sinks"):
-        return None  # mlx-lm's shard() splits these where _even says the shares divide
-    hidden = _hidden(model)
-    for i, layer in enumerate(layers):
-        if (why := _layer_refusal(layer, hidden)) is not None:
-            return f"{family}: tensor parallelism (tp={n}) cannot split layer {i}: {why}"
-    return None
-
-
-_QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-def _first_attn(model: nn.Module) -> nn.Module:
-    """The first layer's softmax attention (Qwen3-Next's first layers are linear)."""
-    return next((layer.self_attn for layer in model.layers if "self_attn" in layer), nn.Module())
-
-
-def _splittable_attn(layer: nn.Module) -> bool:
-    """Softmax attention (checked by _layer_refusal), or a Gated DeltaNet we split."""
-    la = layer.get("linear_attn")
-    return "self_attn" in layer or (la is not None and linear_attn.is_gated_deltanet(la))
-
-
-def _layer_refusal(layer: nn.Module, hidden: int) -> str | None:
-    """What in this layer our slicing (shard_attention, then shard_mlp or a feed-forward
-    block of any shape: blocks.py) cannot split, or None."""
-    attn = layer.get("self_attn")
-    if attn is None:  # a Gated DeltaNet layer (_splittable_attn): linear_attn.py splits it
-        return None if _mlp_refusal(layer) is None or blocks.ffn_child(layer, hidden) else (
-            "its feed-forward has no projections to and from the hidden width"
-        )
-    missing = [p for p in ("q_proj", "k_proj", "v_proj", "o_proj") if p not in attn]
-    if missing or _head_names(attn) is None:
-        what = f"no {', '.join(missing)}" if missing else "no head counts we read"
-        return f"its attention ({type(attn).__name__}) has {what}"
-    other = [k for k, v in attn.items() if k not in _QKVO and blocks.projection(v)]
-    if other:  # e.g. a gate on the heads' outputs, which we do not cut with them
-        return f"its attention ({type(attn).__name__}) has projections we do not split: {other}"
-    if _mlp_refusal(layer) is None or blocks.ffn_child(layer, hidden) is not None:
-        return None
-    why = _mlp_refusal(layer)
-    return f"its feed-forward ({why}) has no projections to and from the hidden width"
-
-
-def _hidden(model: nn.Module) -> int:
-    embedding = anatomy(model).embedding()
-    return width(embedding[1])[1] if embedding is not None else 0
 
 
 def own_shard(model: nn.Module, n: int, weights: list[float]) -> bool:

@@ -146,6 +146,8 @@ def split_vocab(
     inner = getattr(model, "model", None)
     if getattr(model, "layers", None) and not anatomy(model).standard:
         return  # a decoder elsewhere, or its embedding under another name: kept whole
+    if _reads_table(model):
+        return  # its head multiplies by embed_tokens.weight itself (Seed-OSS): kept whole
     embed = getattr(inner, "embed_tokens", None)
     head = getattr(model, "lm_head", None)
     if head is not None:
@@ -159,6 +161,15 @@ def split_vocab(
         if embed is None:
             raise ShardingError(f"{type(model).__module__} has no lm_head or embed_tokens")
         model.lm_head = _split(embed, "model.embed_tokens", group, weights, _slice)[0]
+
+
+def _reads_table(model: nn.Module) -> bool:
+    import inspect
+
+    try:
+        return "embed_tokens.weight" in inspect.getsource(type(model).__call__)
+    except (OSError, TypeError):
+        return False
 
 
 def split_head_of(model: nn.Module) -> SplitHead | None:

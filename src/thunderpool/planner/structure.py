@@ -198,7 +198,7 @@ def _layer_prefixes(model: nn.Module, layer_ids: set[int]) -> list[str]:
 
 def _heads(layers) -> tuple[int, int, int]:
     """(query heads, KV heads, head width) of the first layer with standard attention."""
-    from thunderpool.parallel.tensor import _heads as heads_of
+    from thunderpool.parallel.tp_reading import _heads as heads_of
 
     for layer in layers:
         attn = getattr(layer, "self_attn", None)

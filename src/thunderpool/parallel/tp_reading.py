@@ -1,0 +1,136 @@
+"""How tensor parallelism reads a model's layers: head counts under their many names, which
+layers our slicing can split (softmax attention with q/k/v/o, Gated DeltaNet, feed-forward
+blocks of any shape) and, where it cannot, the one-line reason naming the layer."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from thunderpool.parallel import blocks, linear_attn
+from thunderpool.parallel.anatomy import anatomy, width
+from thunderpool.parallel.blocks import _mlp_of_or_none, _mlp_refusal
+
+HEAD_NAMES = (
+    ("n_heads", "n_kv_heads"),
+    ("num_heads", "num_key_value_heads"),
+    ("num_attention_heads", "num_key_value_heads"),
+    ("num_attention_heads", "num_kv_heads"),
+    ("num_heads", "num_kv_heads"),
+)
+
+
+def _head_names(attn: nn.Module) -> tuple[str, str] | None:
+    return next((n for n in HEAD_NAMES if hasattr(attn, n[0]) and hasattr(attn, n[1])), None)
+
+
+def _family(model: nn.Module) -> str:
+    args = getattr(model, "args", None) or getattr(model, "config", None)
+    return getattr(args, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1]
+
+
+def _heads(attn: nn.Module) -> tuple[int, int]:
+    """(query heads, KV heads); MLA attention (num_heads only) has as many KV heads."""
+    names = _head_names(attn)
+    if names is not None:
+        return getattr(attn, names[0]), getattr(attn, names[1])
+    heads = getattr(attn, "num_heads", 0)
+    return heads, heads
+
+
+def _even_only(model: nn.Module) -> str | None:
+    """Why only mlx-lm's own even shard() can split this model, or None where our uneven
+    slicing can too."""
+    attn = _first_attn(model)
+    if hasattr(attn, "kv_a_proj_with_mqa"):
+        return "MLA attention"
+    if any(hasattr(layer.get("self_attn"), "sinks") for layer in model.layers):
+        return "attention sinks"  # on some layers only, in MiMo-V2's sliding ones
+    if _head_names(attn) is None:
+        return "non-standard attention"
+    return None
+
+
+def _structural(model: nn.Module, n: int) -> str | None:
+    """Why our slicing cannot read this model's layers (then only mlx-lm's shard() can)."""
+    family, layers = _family(model), model.layers
+    odd = next((i for i, layer in enumerate(layers) if not _splittable_attn(layer)), None)
+    if odd is not None:
+        kinds = [k for k, v in layers[odd].items() if isinstance(v, nn.Module)]
+        return (
+            f"{family}: tensor parallelism (tp={n}) splits attention with q/k/v/o projections; "
+            f"layer {odd} ({type(layers[odd]).__name__}: {', '.join(kinds)}) has none"
+        )
+    first = next(layer for layer in layers if "self_attn" in layer)
+    if hasattr(first.self_attn, "qkv_proj") or hasattr(_mlp_of_or_none(first), "gate_up_proj"):
+        return (
+            f"{family}: tensor parallelism (tp={n}) cannot split its fused qkv_proj/gate_up_proj "
+            "projections; use --parallel pp (pipeline parallelism) for this model"
+        )
+    if _even_only(model) in ("MLA attention", "attention sinks"):
+        return None  # mlx-lm's shard() splits these where _even says the shares divide
+    counts = sorted({_heads(layer.self_attn) for layer in layers if "self_attn" in layer})
+    if len(counts) > 1:  # MiMo-V2's sliding layers: one head share per rank cannot fit both
+        return (
+            f"{family}: tensor parallelism (tp={n}) gives each rank one share of heads, but its "
+            f"layers have different (query, KV) head counts {counts}"
+        )
+    hidden = _hidden(model)
+    for i, layer in enumerate(layers):
+        if (why := _layer_refusal(layer, hidden)) is not None:
+            return f"{family}: tensor parallelism (tp={n}) cannot split layer {i}: {why}"
+    return None
+
+
+_QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _norm_width(m) -> int:
+    w = m.get("weight") if isinstance(m, nn.Module) and "norm" in type(m).__name__.lower() else None
+    return w.shape[0] if isinstance(w, mx.array) and w.ndim == 1 else -1
+
+
+def _first_attn(model: nn.Module) -> nn.Module:
+    """The first layer's softmax attention (Qwen3-Next's first layers are linear)."""
+    return next((layer.self_attn for layer in model.layers if "self_attn" in layer), nn.Module())
+
+
+def _splittable_attn(layer: nn.Module) -> bool:
+    """Softmax attention (checked by _layer_refusal), or a Gated DeltaNet we split."""
+    la = layer.get("linear_attn")
+    return "self_attn" in layer or (la is not None and linear_attn.is_gated_deltanet(la))
+
+
+def _layer_refusal(layer: nn.Module, hidden: int) -> str | None:
+    """What in this layer our slicing (shard_attention, then shard_mlp or a feed-forward
+    block of any shape: blocks.py) cannot split, or None."""
+    attn = layer.get("self_attn")
+    if attn is None:  # a Gated DeltaNet layer (_splittable_attn): linear_attn.py splits it
+        return None if _mlp_refusal(layer) is None or blocks.ffn_child(layer, hidden) else (
+            "its feed-forward has no projections to and from the hidden width"
+        )
+    missing = [p for p in ("q_proj", "k_proj", "v_proj", "o_proj") if p not in attn]
+    if missing or _head_names(attn) is None:
+        what = f"no {', '.join(missing)}" if missing else "no head counts we read"
+        return f"its attention ({type(attn).__name__}) has {what}"
+    heads, kv = _heads(attn)
+    q_rows, k_rows = attn.q_proj.weight.shape[-2], attn.k_proj.weight.shape[-2]
+    wide = [
+        k
+        for k, v in attn.items()
+        if (_norm_width(v) == q_rows and heads > 1) or (_norm_width(v) == k_rows and kv > 1)
+    ]
+    if wide:  # OLMo 2's q_norm and k_norm: a sum over every head's channels
+        return f"its {', '.join(wide)} normalises over every head at once (not per head)"
+    other = [k for k, v in attn.items() if k not in _QKVO and blocks.projection(v)]
+    if other:  # e.g. a gate on the heads' outputs, which we do not cut with them
+        return f"its attention ({type(attn).__name__}) has projections we do not split: {other}"
+    if _mlp_refusal(layer) is None or blocks.ffn_child(layer, hidden) is not None:
+        return None
+    why = _mlp_refusal(layer)
+    return f"its feed-forward ({why}) has no projections to and from the hidden width"
+
+
+def _hidden(model: nn.Module) -> int:
+    embedding = anatomy(model).embedding()
+    return width(embedding[1])[1] if embedding is not None else 0
