@@ -21,7 +21,6 @@ import json
 import sys
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
 from thunderpool.models import tiny
@@ -50,22 +49,9 @@ def make_checkpoint(model_type: str, path: Path, seed: int = 0) -> Path:
 def reference(model_dir: Path, steps: int = STEPS) -> tuple[np.ndarray, np.ndarray]:
     """Greedy tokens and last-position logits, recomputing the whole sequence every step
     with mlx-lm's own Model.__call__."""
-    from mlx_lm.utils import load_model
+    from conftest import greedy_full_forward
 
-    model, _ = load_model(model_dir)
-    tokens, logits = [], []
-    for prompt in prompts():
-        seq, toks, lgs = list(prompt), [], []
-        for _ in range(steps):
-            out = model(mx.array([seq]))
-            out = (out[0] if isinstance(out, tuple) else out)[0, -1].astype(mx.float32)
-            tok = int(mx.argmax(out).item())
-            toks.append(tok)
-            lgs.append(np.array(out))
-            seq.append(tok)
-        tokens.append(toks)
-        logits.append(np.stack(lgs))
-    return np.array(tokens), np.stack(logits)
+    return greedy_full_forward(model_dir, prompts(), steps)
 
 
 def cell_job(model_dir: Path, layout: str, out: Path) -> dict:

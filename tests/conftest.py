@@ -220,7 +220,8 @@ def greedy_full_forward(model_dir: Path, prompts, steps: int) -> tuple[np.ndarra
     for prompt in prompts:
         seq, toks, lgs = list(prompt), [], []
         for _ in range(steps):
-            out = model(mx.array([seq]))[0, -1].astype(mx.float32)
+            out = model(mx.array([seq]))
+            out = (out[0] if isinstance(out, tuple) else out)[0, -1].astype(mx.float32)
             toks.append(int(mx.argmax(out).item()))
             lgs.append(np.array(out))
             seq.append(toks[-1])

@@ -198,7 +198,7 @@ class PipelineStage:
         finally:
             if self.handoff is not None:
                 self.handoff.hand(None)
-        _advance_others(cache, self.local, B, L, self.dtype)
+        _advance_others(cache, self.local, B, L, self.dtype, len(self.layers))
         return self._pass_on(h, B, 1 if last_only else L)
 
     def decode(self, tokens: mx.array, cache: list, local: Callable) -> mx.array | None:
@@ -210,7 +210,7 @@ class PipelineStage:
         else:
             h = self.inner.embed_tokens(tokens)
         h = local(h, cache[self.start : self.end])
-        _advance_others(cache, self.local, B, L, self.dtype)
+        _advance_others(cache, self.local, B, L, self.dtype, len(self.layers))
         return self._pass_on(h, B, 1)
 
     def _receive(self, shape: tuple[int, ...]) -> mx.array:
@@ -233,18 +233,35 @@ class PipelineStage:
         return None
 
 
-def _advance_others(cache: list, local: range, B: int, L: int, dtype: mx.Dtype) -> None:
+def _advance_others(
+    cache: list, local: range, B: int, L: int, dtype: mx.Dtype, n_layers: int | None = None
+) -> None:
     """Move the caches of other stages' layers on by L tokens, as their layers would have:
     keys of zero heads and zero width keep offsets, rotation and batch padding exact (so
     masks built from any layer's cache are right) and hold no memory. Recurrent state
     caches (ArraysCache) carry no position and stay empty; a CacheList (DeepSeek V3.2's
     latent and indexer caches) advances each of its caches."""
     empty = mx.zeros((B, 0, L, 0), dtype)
+    aligned = len(cache) == n_layers
     for i, c in enumerate(cache):
-        if i not in local:
+        # Nemotron-H keeps caches for its mamba and attention layers only, so a cache's index
+        # is no layer's: there, a cache another stage owns is one that holds no entries.
+        if (i not in local) if aligned else not _holds(c):
             for part in getattr(c, "caches", (c,)):
                 if hasattr(part, "update_and_fetch"):
                     part.update_and_fetch(empty, empty)
+
+
+def _holds(c) -> bool:
+    """Whether a cache holds this stage's entries (keys of some heads)."""
+    for part in getattr(c, "caches", (c,)):
+        keys = getattr(part, "keys", None)
+        keys = keys[0] if isinstance(keys, tuple | list) else keys
+        if isinstance(keys, mx.array) and keys.ndim >= 2 and keys.shape[1] > 0:
+            return True
+        if getattr(part, "cache", None) is not None and not hasattr(part, "keys"):
+            return any(x is not None for x in part.cache)  # a state cache of this stage
+    return False
 
 
 def _float_dtype(module: nn.Module) -> mx.Dtype:

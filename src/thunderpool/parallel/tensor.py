@@ -177,6 +177,11 @@ def _refusal(model: nn.Module, n: int, weights: list[float]) -> str | None:
     if why is None or _even(model, n, weights):
         return None
     heads = _heads(_first_attn(model))[0]
+    if not hasattr(model, "shard"):
+        return (
+            f"{family} ({why}): only mlx-lm's own shard() splits it, and mlx-lm has none for "
+            f"this family; use --parallel pp"
+        )
     ok = [d for d in range(2, heads + 1) if _even(model, d, [1.0] * d)]
     fix = f"use tp in {ok} with equal weights" if ok else "no equal split of it works"
     return (
