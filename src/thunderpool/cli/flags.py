@@ -189,7 +189,8 @@ def add_allow_untested(p: argparse.ArgumentParser) -> None:
         "--allow-untested",
         action="store_true",
         help="run a sharded layout not yet verified against the unsharded model for this "
-        "model family (a loud warning; the output may be wrong)",
+        "model family, without the day-0 proof on a tiny model of its architecture (a loud "
+        "warning; the output may be wrong)",
     )
 
 
