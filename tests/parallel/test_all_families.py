@@ -23,6 +23,7 @@ from all_families import (
     reference,
 )
 from matrix_ranks import run_matrix, trace_result
+from test_family_matrix import Built
 
 from thunderpool.errors import UnverifiedLayoutError
 from thunderpool.models import families, tiny
@@ -30,16 +31,6 @@ from thunderpool.models import families, tiny
 TABLE = json.loads(VERIFIED_JSON.read_text())
 CELLS = [(f, lay) for f, row in TABLE["families"].items() for lay in row]
 LAUNCH_S = 1200
-
-
-class Built(dict):
-    def __init__(self, make):
-        super().__init__()
-        self.make = make
-
-    def __missing__(self, key):
-        self[key] = self.make(key)
-        return self[key]
 
 
 @pytest.fixture(scope="module")
