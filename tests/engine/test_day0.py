@@ -96,3 +96,38 @@ def test_a_kept_verdict_is_not_proven_again(new_family, monkeypatch):
     proof.admit(config, 3, "tp", False)
     with pytest.raises(families.UnverifiedLayoutError, match="day-0 proof .* differ"):
         proof.admit(config, 3, "pp", False)
+
+
+def test_unequal_shares_are_proven_first(monkeypatch, tmp_path):
+    # verified.json proved ernie4_5_moe's TP and EP in equal shares: unequal ones go through
+    # the day-0 proof with the same shares (the expert split scaled to the tiny model's).
+    from thunderpool.cli import proof
+    from thunderpool.models import tiny
+    from thunderpool.parallel.layout import Layout
+
+    monkeypatch.setenv("THUNDERPOOL_HOME", str(tmp_path))
+    config = {**tiny.family_config("ernie4_5_moe"), "moe_num_experts": 256}
+    assert families.proven()["ernie4_5_moe"]["ep"] == "ok"
+    asked = []
+    monkeypatch.setattr(proof, "prove", lambda c, w, layout, b: asked.append(layout) or "ok")
+    proof.admit(config, 2, Layout("ep"), False)
+    proof.admit(config, 2, Layout("tp", (1.0, 1.0)), False)
+    assert asked == []  # equal shares: proven by the matrix
+    proof.admit(config, 2, Layout("ep", expert_split=(96, 160)), False)
+    proof.admit(config, 2, Layout("tp", (2.0, 1.0)), False)
+    assert asked == [Layout("ep", expert_split=(3, 5)), Layout("tp", (2.0, 1.0))]
+    with pytest.raises(families.UnverifiedLayoutError, match="hot-expert copies are proven"):
+        proof.admit(config, 2, Layout("ep", expert_replicas=((0, 1, 1),)), False)
+
+
+@pytest.mark.timeout(300)
+def test_the_proof_runs_unequal_shares():
+    from thunderpool.cli import proof
+    from thunderpool.models import tiny
+    from thunderpool.parallel.layout import Layout
+
+    split = Layout("ep", expert_split=(3, 5))
+    assert proof.prove(tiny.family_config("ernie4_5_moe"), 2, split) == "ok"
+    # olmo2's q_norm spans every head: only mlx-lm's shard() splits it, in equal shares.
+    found = proof.prove(tiny.family_config("olmo2"), 2, Layout("tp", (2.0, 1.0)))
+    assert "q_norm, k_norm normalises over every head at once" in found

@@ -177,6 +177,22 @@ def test_plans_are_marked_by_family():
     assert all(p.verified for p in plans_for("mistral"))  # mlx-lm builds mistral as llama
 
 
+def test_the_matrix_proves_equal_shares_only(monkeypatch):
+    # verified.json's cells ran 2 ranks in equal shares: unequal ones (the planner's weights
+    # for unlike nodes, --tp-weights, --expert-split) are not proven by them.
+    monkeypatch.setattr(families, "proven", lambda: {"olmo2": {"tp": "ok", "pp": "ok"}})
+    monkeypatch.setattr(families, "VERIFIED", {**PINNED, "olmo2": ("tp", "pp")})
+    olmo2 = family_of({"model_type": "olmo2"})
+    assert unverified(olmo2, 2, "tp") is None
+    assert "proven in equal shares only" in unverified(olmo2, 2, "tp", equal=False)
+    assert unverified(family_of({"model_type": "llama"}), 2, "tp", equal=False) is None
+    spec = model_spec_from_config({**LLAMA_8B, "model_type": "olmo2"})
+    fast = NodeSpec("n2", 64 * GiB, 48 * GiB, 800e9, 30e12, 2 * GiB)
+    plans = place(spec, [mac("n1"), fast], [LinkSpec("n1", "n2", 50e-6, 5e9, "rdma")])
+    tp = next(p for p in plans if p.kind == "tp")
+    assert len(set(tp.tp_weights)) == 2 and "equal shares only" in tp.unverified
+
+
 # --- `--cluster`: only verified plans launch, unless --allow-untested ---------------------
 
 

@@ -36,7 +36,7 @@ def _instance(args: argparse.Namespace, make_job, timeout: float | None):
         return cluster_instance(args, make_job, timeout), args.model or "SmolLM2-135M-Instruct"
     model_dir = resolve_model(args.model)
     layout, config = local_layout(args, model_dir, nodes)
-    admit(config, nodes, layout.parallel, args.allow_untested, backend, Console(stderr=True))
+    admit(config, nodes, layout, args.allow_untested, backend, Console(stderr=True))
     if getattr(args, "draft_model", None) == "mtp":
         from thunderpool.engine.mtp import check_mtp_files
 

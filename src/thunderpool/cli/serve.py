@@ -65,7 +65,10 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
         model_dir = resolve_model(args.model)
     config = read_config(model_dir)
     if not args.cluster:
-        admit(config, args.nodes or 2, args.parallel or "tp", args.allow_untested, backend, console)
+        from thunderpool.cli.jobs import local_layout
+
+        layout, _ = local_layout(args, model_dir, args.nodes or 2)
+        admit(config, args.nodes or 2, layout, args.allow_untested, backend, console)
     tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
     limit = config.get("max_position_embeddings") or 4096
     max_context = min(args.max_context or limit, limit)
@@ -78,7 +81,7 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
         plan, token, members = _cluster(args, name, max_context, console)
     else:
         token, members = secrets.token_urlsafe(24), None
-        plan = _local(args, backend, model_dir, name, max_context, token)
+        plan = _local(args, backend, layout, model_dir, name, max_context, token)
         why = ""
         if (
             backend == "ring"
@@ -109,14 +112,15 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _local(args, backend: str, model_dir: Path, name: str, max_context: int, token: str):
-    from thunderpool.cli.jobs import local_layout, prefix_cache_bytes, rank_job
+def _local(
+    args, backend: str, layout: Layout, model_dir: Path, name: str, max_context: int, token: str
+):
+    from thunderpool.cli.jobs import prefix_cache_bytes, rank_job
     from thunderpool.config import LINK_TOKEN_ENV
     from thunderpool.engine.job import ServeTask
     from thunderpool.launch.mpi import local_instance
 
     nodes = args.nodes or 2
-    layout, _ = local_layout(args, model_dir, nodes)
     task = ServeTask(
         model_name=name,
         max_batch=args.max_batch,

@@ -118,16 +118,20 @@ def _ships(name: str) -> bool:
         return False
 
 
-def unverified(family: Family, world: int, layout: str) -> str | None:
-    """Why `layout` on `world` ranks is not verified for this family; None when it is."""
+def unverified(family: Family, world: int, layout: str, equal: bool = True) -> str | None:
+    """Why `layout` on `world` ranks (in `equal` shares, or not) is not verified for this
+    family; None when it is."""
     if world <= 1:
         return None
     found = proven().get(family.name, {}).get(layout)
-    # The hand-built matrix ran 2 and 3 ranks; the all-families one, PROVEN_WORLD.
-    any_world = family.name in MATRIX or found is None
-    if layout in family.verified and (any_world or world == PROVEN_WORLD):
+    # The hand-built matrix ran 2 and 3 ranks, equal and unequal shares; the all-families
+    # one, PROVEN_WORLD ranks in equal shares.
+    by_hand = family.name in MATRIX or found is None
+    if layout in family.verified and (by_hand or (world == PROVEN_WORLD and equal)):
         return None
-    if found == "ok":  # the all-families matrix runs 2 ranks
+    if found == "ok" and world == PROVEN_WORLD:
+        why = ": proven in equal shares only (no --tp-weights, --expert-split or hot-expert copies)"
+    elif found == "ok":  # the all-families matrix runs 2 ranks
         why = f": proven on {PROVEN_WORLD} ranks only"
     else:
         why = f": {found}" if found else ""
@@ -138,13 +142,18 @@ def unverified(family: Family, world: int, layout: str) -> str | None:
 
 
 def check_layout(
-    config: dict, world: int, layout: str, allow_untested: bool = False, flag: str = "--parallel"
+    config: dict,
+    world: int,
+    layout: str,
+    allow_untested: bool = False,
+    flag: str = "--parallel",
+    equal: bool = True,
 ) -> str | None:
     """Raise UnverifiedLayoutError for an unverified sharded layout; with `allow_untested`,
     return the reason for a warning instead. A family mlx-lm does not ship passes: the
     loader refuses it with its own message."""
     family = family_of(config)
-    reason = unverified(family, world, layout) if family.supported else None
+    reason = unverified(family, world, layout, equal) if family.supported else None
     if reason is None or allow_untested:
         return reason
     fix = f"use {flag} {family.verified[0]}" if family.verified else "use --nodes 1"

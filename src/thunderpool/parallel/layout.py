@@ -34,3 +34,13 @@ class Layout:
     # --kv-bits: every rank's KV cache quantized alike (engine/kv_quant.py); None: plain.
     kv_bits: Literal[4, 8] | None = None
     kv_group_size: Literal[32, 64, 128] = 64
+
+    @property
+    def equal_shares(self) -> bool:
+        """Every rank an equal share of heads and experts, and no hot-expert copies: what the
+        all-families matrix proves (models/families.py)."""
+        return (
+            len(set(self.tp_weights or ())) <= 1
+            and len(set(self.expert_split or ())) <= 1
+            and not self.expert_replicas
+        )

@@ -162,7 +162,14 @@ def place(
         raise PlacementError(_refusal(spec, nodes, needs))
     plans.sort(key=lambda p: (-p.prediction.decode_tps, -p.prediction.prefill_tps, len(p.nodes)))
     family = family_of({"model_type": spec.model_type})
-    return [replace(p, unverified=unverified(family, len(p.nodes), p.kind) or "") for p in plans]
+    return [
+        replace(p, unverified=unverified(family, len(p.nodes), p.kind, _equal(p)) or "")
+        for p in plans
+    ]
+
+
+def _equal(plan: Plan) -> bool:
+    return plan.kind == "single" or plan.layout().equal_shares
 
 
 def explain(plans: list[Plan]) -> str:
