@@ -31,10 +31,15 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def server():
+def served():
     args = ["--nodes", "2", "--parallel", "tp", "--max-context", "1024", "--cors-origin", ORIGIN]
     with serving(*args) as served:
-        yield served.url
+        yield served
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served.url
 
 
 def chat(url: str, question: str, stream: bool = False, max_tokens: int = 16) -> str:
@@ -207,3 +212,50 @@ def test_tools_are_refused_for_a_template_without_them_and_cors(server):
         f"{server}/v1/chat/completions", headers={**ask, "Origin": "http://other.test"}, timeout=10
     )
     assert "access-control-allow-origin" not in r.headers
+
+
+def test_a_browser_page_cannot_drive_it(server):
+    port = server.rsplit(":", 1)[1]
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    # A page on another site, its name rebound to 127.0.0.1 (DNS rebinding) ...
+    rebound = {"host": f"attacker.example:{port}"}
+    r = httpx.post(f"{server}/v1/completions", json=body, headers=rebound, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
+    # ... or posting a form to localhost from its own origin.
+    page = {"origin": "http://attacker.example"}
+    r = httpx.post(f"{server}/v1/admin/replan", data={"x": "1"}, headers=page, timeout=30)
+    assert r.status_code == 403
+    r = httpx.post(f"{server}/v1/completions", json=body, headers=page, timeout=30)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "foreign_origin"
+    ok = httpx.post(f"{server}/v1/completions", json=body, headers={"origin": ORIGIN}, timeout=60)
+    assert ok.status_code == 200  # a --cors-origin may
+
+
+def test_requests_cannot_stop_it(served):
+    # Before: replan needed no key on localhost, counted as a failed start, and the fourth
+    # POST in a row ended serve.
+    url = served.url
+    assert httpx.post(f"{url}/v1/admin/replan", timeout=30).status_code == 401
+    from thunderpool.serving.admin import admin_token_file
+
+    path = admin_token_file(int(url.rsplit(":", 1)[1]))  # serve's and this test's home alike
+    assert str(path) in served.log.read_text().replace("\n", "")
+    auth = {"authorization": f"Bearer {path.read_text().strip()}"}
+    before = httpx.get(f"{url}/v1/cluster", timeout=30).json()["instance"]["generation"]
+    for _ in range(5):
+        assert httpx.post(f"{url}/v1/admin/replan", headers=auth, timeout=30).status_code == 202
+        time.sleep(0.2)
+    deadline = time.monotonic() + 240
+    while True:
+        assert served.proc.poll() is None, served.log.read_text()[-2000:]
+        assert time.monotonic() < deadline, served.log.read_text()[-2000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                now = httpx.get(f"{url}/v1/cluster", timeout=30).json()["instance"]
+                if now["generation"] > before:
+                    break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    assert chat(url, QUESTIONS[0]) and served.proc.poll() is None
+    assert "/v1/admin/replan" not in httpx.get(f"{url}/openapi.json", timeout=30).json()["paths"]

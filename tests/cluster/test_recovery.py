@@ -240,7 +240,9 @@ def test_a_node_that_comes_back_rejoins_and_a_replan_uses_it(served):
     time.sleep(3)  # a membership refresh or two later, the instance is still the same one
     assert cluster_info()["instance"]["generation"] == generation
     assert complete(SHORT) == reference[SHORT]
-    r = httpx.post(f"{URL}/v1/admin/replan", timeout=10)
+    token = (home / "serve" / f"admin-{URL.rsplit(':', 1)[1]}.token").read_text().strip()
+    auth = {"authorization": f"Bearer {token}"}  # an admin endpoint: the token serve wrote
+    r = httpx.post(f"{URL}/v1/admin/replan", headers=auth, timeout=10)
     assert r.status_code == 202
     assert wait_until(
         lambda: healthy(URL) and cluster_info()["instance"]["generation"] == generation + 1,

@@ -27,6 +27,7 @@ from thunderpool.api.errors import RETRY_AFTER_S, APIError, install_error_handle
 from thunderpool.api.history import EVERY_S, History
 from thunderpool.api.metrics import CONTENT_TYPE, HTTPCounter, render
 from thunderpool.api.observe import AccessLog, Latencies, RecordingEngine
+from thunderpool.api.origin import HostGuard
 from thunderpool.api.schemas import ChatRequest, CompletionRequest, ModelCard, ModelList
 from thunderpool.api.sse import EventStream, until_disconnect
 from thunderpool.api.turns import collect_turns
@@ -75,10 +76,14 @@ def create_app(
     *,
     log_prompts: bool = False,
     cors_origins: Sequence[str] = (),
+    bind_host: str | None = None,
+    allowed_hosts: Sequence[str] = (),
 ) -> FastAPI:
     """The API app. `api_key` guards /v1/*, /api/* and /metrics; /health (and `/`) stay open.
     `log_prompts` adds each prompt's text to its access-log line; `cors_origins`: browser
-    origins allowed to call it (none by default)."""
+    origins allowed to call it (none by default). With `bind_host` (the address it listens
+    on), foreign Host names and other sites' POSTs are refused (api/origin.py), but for
+    `allowed_hosts`."""
     latencies = Latencies()
     engine = RecordingEngine(engine, latencies, log_prompts)  # type: ignore[assignment]
     history = History(engine.metrics, latencies)
@@ -117,6 +122,10 @@ def create_app(
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["*"],
             expose_headers=["Retry-After"],
+        )
+    if bind_host is not None:  # outermost: nothing else sees a request it refuses
+        app.add_middleware(
+            HostGuard, bind=bind_host, allowed=allowed_hosts, cors_origins=cors_origins
         )
     return app
 

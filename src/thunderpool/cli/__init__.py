@@ -87,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(repeatable; '*' allows any; default: none)",
     )
     srv.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host name to answer besides this machine's own names and IP addresses, e.g. "
+        "the name of a reverse proxy in front (repeatable; '*.example.com' for a domain). "
+        "Other names are refused (DNS rebinding)",
+    )
+    srv.add_argument(
         "--max-batch", type=parse_positive, default=8, help="requests decoded together (default 8)"
     )
     srv.add_argument(

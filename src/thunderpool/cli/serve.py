@@ -7,6 +7,7 @@ stays up across a lost node while the supervisor replans and starts a new instan
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import ipaddress
 import logging
@@ -95,6 +96,9 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
     supervisor = Supervisor(gateway, plan, console, on_event=_print_loaded(console), view=view)
     url = _start_api(args, gateway, supervisor, api_key)
     console.print(f"API and dashboard at {url} (loading {name}); Ctrl-C stops every rank")
+    from thunderpool.serving.admin import admin_token_file
+
+    console.print(f"admin endpoints (/v1/admin/*): token in {admin_token_file(args.port)}")
     if args.cluster:
         from thunderpool.cli.cache import health_listener
 
@@ -205,13 +209,20 @@ def _start_api(args, gateway, supervisor, api_key: str | None) -> str:
 
     from thunderpool.api.dashboard import mount_dashboard
     from thunderpool.api.routes import create_app
-    from thunderpool.serving.admin import mount_admin
+    from thunderpool.serving.admin import mount_admin, write_admin_token
 
     _log_requests()
     app = create_app(
-        gateway, api_key=api_key, log_prompts=args.log_prompts, cors_origins=args.cors_origin
+        gateway,
+        api_key=api_key,
+        log_prompts=args.log_prompts,
+        cors_origins=args.cors_origin,
+        bind_host=args.host,
+        allowed_hosts=args.allowed_host,
     )
-    mount_admin(app, supervisor, api_key)
+    token, path = write_admin_token(args.port)
+    atexit.register(path.unlink, missing_ok=True)
+    mount_admin(app, supervisor, token, api_key)
     mount_dashboard(app)
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)

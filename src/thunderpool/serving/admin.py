@@ -1,17 +1,65 @@
-"""Operator endpoints of `serve`, behind the same API key as /v1."""
+"""Operator endpoints of `serve`: what changes the cluster or the engine.
+
+They take a credential even on localhost, where /v1 may take none: `--api-key`, or the admin
+token `serve` writes at start to a file only its user can read (`admin-<port>.token` in the
+state directory). A browser page cannot read that file, nor send the header without a CORS
+preflight that `serve` does not grant. They are not in /openapi.json.
+"""
 
 from __future__ import annotations
 
-from fastapi import Depends, FastAPI
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from thunderpool.api.routes import api_key_guard
+from thunderpool.api.errors import APIError
+from thunderpool.config import state_dir
 
 
-def mount_admin(app: FastAPI, supervisor, api_key: str | None) -> None:
-    @app.post("/v1/admin/replan", dependencies=[Depends(api_key_guard(api_key))])
+def admin_token_file(port: int) -> Path:
+    return state_dir() / f"admin-{port}.token"
+
+
+def write_admin_token(port: int) -> tuple[str, Path]:
+    """A new admin token for the server on `port`, in a file of mode 0600."""
+    token = secrets.token_urlsafe(24)
+    path = admin_token_file(port)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)  # created afresh, so no other user's file is reused
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token, path
+
+
+def admin_guard(token: str, api_key: str | None):
+    accepted = [f"Bearer {k}".encode() for k in (token, api_key) if k]
+
+    def require(request: Request) -> None:
+        given = request.headers.get("authorization", "").encode()
+        if not any(hmac.compare_digest(given, k) for k in accepted):
+            raise APIError(
+                401,
+                "admin endpoints need 'Authorization: Bearer <token>': the --api-key, or the "
+                "admin token serve wrote at start (admin-<port>.token in ~/.thunderpool)",
+                code="invalid_api_key",
+            )
+
+    return require
+
+
+def mount_admin(app: FastAPI, supervisor, token: str, api_key: str | None) -> None:
+    guard = [Depends(admin_guard(token, api_key))]
+
+    @app.post("/v1/admin/replan", dependencies=guard, include_in_schema=False)
     async def replan() -> JSONResponse:
         """Plan again on the nodes that answer now (e.g. one rejoined) and move to that plan
-        once the running requests have finished; new requests get 503 meanwhile."""
-        supervisor.request_replan()
-        return JSONResponse({"replanning": True, "instance": supervisor.generation}, 202)
+        once the running requests have finished; new requests get 503 meanwhile. A replan
+        asked for while one is pending is the same replan."""
+        pending = supervisor.request_replan()
+        body = {"replanning": True, "instance": supervisor.generation, "pending": pending}
+        return JSONResponse(body, 202)

@@ -50,18 +50,24 @@ class Supervisor:
         self.generation = 0  # instances started so far (the dashboard and tests read it)
         self._replan = threading.Event()
         self._stopping = False
+        self._serving = False  # the running instance has reached ready
         self._last_error = ""
         gateway.on_link_lost = self._link_lost
 
-    def request_replan(self) -> None:
-        """Move to a new plan (e.g. a node rejoined) once running requests have finished."""
+    def request_replan(self) -> bool:
+        """Move to a new plan (e.g. a node rejoined) once running requests have finished; an
+        instance still loading finishes loading first, so a replan never counts as a failed
+        start. True when a replan was pending already (this is the same one)."""
+        pending = self._replan.is_set()
         self._replan.set()
-        if self.instance is not None:
+        if self.instance is not None and self._serving:
             self.instance.interrupt()
+        return pending
 
     def run(self) -> None:
         first, failures = True, 0
         while not self._stopping:
+            self._replan.clear()  # the plan made now is the new plan a request asked for
             try:
                 instance = self.plan(first)
             except ThunderpoolError as e:
@@ -101,7 +107,7 @@ class Supervisor:
                             done[ev.rank] = 1.0
                         case "ready":
                             self.gateway.attach(instance.leader_host, e["link_port"])
-                            served = True
+                            served = self._serving = True
                             about = describe(instance, self.generation)
                             self.gateway.set_cluster(instance=about)
                             self.console.print(
@@ -122,7 +128,7 @@ class Supervisor:
                 raise
             self.console.print(f"[red]instance lost[/]: {e}; replanning")
         finally:
-            self.instance = None
+            self.instance, self._serving = None, False
         self.gateway.lost(self._last_error or "replanning", "recovering")
         self._replan.clear()
         return served
