@@ -259,3 +259,68 @@ def test_requests_cannot_stop_it(served):
         time.sleep(0.5)
     assert chat(url, QUESTIONS[0]) and served.proc.poll() is None
     assert "/v1/admin/replan" not in httpx.get(f"{url}/openapi.json", timeout=30).json()["paths"]
+
+
+def test_vllm_length_controls_match_transformers(server, smollm2_transformers):
+    """vLLM's ignore_eos and min_tokens (what guidellm and `vllm bench serve` send) against
+    transformers' model decoding greedily with the same rule, one full forward a token."""
+    import torch
+    from mlx_lm.utils import load_tokenizer
+
+    from thunderpool.models.source import resolve_model
+
+    model, _, _, _ = smollm2_transformers
+    ours = load_tokenizer(resolve_model(None, progress=False))
+    ask = [{"role": "user", "content": QUESTIONS[0]}]
+    prompt = list(ours.apply_chat_template(ask, add_generation_prompt=True))
+    eos = set(ours.eos_token_ids)
+
+    def greedy(n: int, min_new: int = 0, stop_at_eos: bool = False) -> list[int]:
+        out: list[int] = []
+        with torch.no_grad():
+            for step in range(n):
+                logits = model(torch.tensor([prompt + out])).logits[0, -1]
+                if step < min_new:
+                    logits[sorted(eos)] = -torch.inf
+                out.append(int(logits.argmax()))
+                if stop_at_eos and out[-1] in eos:
+                    break
+        return out
+
+    def text(tokens: list[int]) -> str:  # an end token shows no text (vLLM's)
+        return ours.decode([t for t in tokens if t not in eos])
+
+    def ask_for(**extra) -> dict:
+        body = {"model": MODEL, "messages": ask, "temperature": 0, **extra}
+        r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    plain = ask_for(max_tokens=40)
+    k = plain["usage"]["completion_tokens"]
+    assert plain["choices"][0]["finish_reason"] == "stop" and k < 20
+    # ignore_eos: on past the end token to max_tokens.
+    got = ask_for(max_tokens=k + 6, ignore_eos=True)
+    assert got["usage"]["completion_tokens"] == k + 6
+    assert got["choices"][0]["finish_reason"] == "length"
+    assert got["choices"][0]["message"]["content"] == text(greedy(k + 6))
+    # min_tokens: no end token before min_tokens tokens; then the first one ends it.
+    ref = greedy(k + 12, min_new=k + 3, stop_at_eos=True)
+    got = ask_for(max_tokens=k + 12, min_tokens=k + 3)
+    assert got["choices"][0]["message"]["content"] == text(ref)
+    assert got["choices"][0]["finish_reason"] == ("stop" if ref[-1] in eos else "length")
+    assert got["usage"]["completion_tokens"] == len(ref) >= k + 3
+    # continuous_usage_stats: every chunk carries its usage so far (with include_usage).
+    body = {"model": MODEL, "messages": ask, "temperature": 0, "max_tokens": k + 6,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    counts = []
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                c = json.loads(line[6:])
+                assert c["usage"]["prompt_tokens"] == len(prompt)
+                counts.append(c["usage"]["completion_tokens"])
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == k + 6
+    r = httpx.post(f"{server}/v1/chat/completions", json={**body, "min_tokens": 99}, timeout=30)
+    assert r.status_code == 400 and "min_tokens=99" in r.json()["error"]["message"]

@@ -22,12 +22,14 @@ class CharDetokenizer:
 
 
 class CharTokenizer:
+    eos_token_ids = [ord("$")]
+
     def __init__(self):
         self.detokenizer = CharDetokenizer()
 
 
-def stream(text: str, stop=()) -> tuple[list[str], bool]:
-    ts = TextStream(CharTokenizer(), tuple(stop))
+def stream(text: str, stop=(), min_tokens: int = 0) -> tuple[list[str], bool]:
+    ts = TextStream(CharTokenizer(), tuple(stop), min_tokens)
     out = []
     for ch in text:
         out.append(ts.add(ord(ch)))
@@ -53,6 +55,26 @@ def test_stop_string_cuts_before_it_and_holds_back_prefixes():
 def test_false_prefix_is_released():
     out, stopped = stream("an ENigma", stop=["END"])
     assert not stopped and "".join(out) == "an ENigma"
+
+
+@pytest.mark.parametrize(
+    "min_tokens,want",
+    [
+        (0, "ab"),  # the first "X" stops it
+        (3, "ab"),  # "X" is the 3rd token: looked for from the 3rd token on (vLLM)
+        (4, "abXcd"),  # no stop string before the 4th token's text
+        (6, "abXcd"),  # the second "X" is the 6th
+        (7, "abXcdXef"),
+    ],
+)
+def test_min_tokens_defers_stop_strings(min_tokens, want):
+    out, _ = stream("abXcdXef", stop=["X"], min_tokens=min_tokens)
+    assert "".join(out) == want
+
+
+def test_an_end_token_under_ignore_eos_shows_no_text():
+    out, stopped = stream("ab$cd")
+    assert "".join(out) == "abcd" and not stopped
 
 
 def test_earliest_of_several_stop_strings_wins():

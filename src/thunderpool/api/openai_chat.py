@@ -144,6 +144,13 @@ def usage(finishes: list[Finish]) -> Usage:
     )
 
 
+def running(prompt: int, completion: int) -> Usage:
+    """A choice's usage so far, for vLLM's continuous_usage_stats."""
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
 def error_event(err: APIError) -> bytes:
     return event(ErrorBody(error=err.detail()).model_dump_json())
 
@@ -168,14 +175,18 @@ def body(a: Admitted, turns: list[Turn]) -> ChatCompletion:
 
 
 async def chunks(
-    engine: EngineClient, a: Admitted, include_usage: bool
+    engine: EngineClient, a: Admitted, include_usage: bool, continuous: bool = False
 ) -> AsyncGenerator[bytes, None]:
     """chat.completion.chunk events: each choice's role chunk, content (with logprobs) and
     tool_calls deltas (one whole call per delta, each with its `index`), its empty finish;
-    then usage if asked, and [DONE]."""
+    then usage if asked, and [DONE]. `continuous` (vLLM's continuous_usage_stats): every
+    chunk also carries its choice's usage so far."""
     j = a.job
+    so_far: dict[int, int] = {}  # choice -> completion tokens so far
 
     def chunk(picks: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
+        if continuous and usage is None and picks:
+            usage = running(len(j.prompt), so_far.get(picks[0].index, 0))
         c = ChatCompletionChunk(
             id=j.id, created=j.created, model=j.model, choices=picks, usage=usage
         )
@@ -189,6 +200,7 @@ async def chunks(
         async for i, ev in choices(engine, a):
             match ev:
                 case Text() if ev.text or ev.logprobs:
+                    so_far[i] = ev.tokens
                     lps = _logprobs(a, ev.logprobs)
                     delta = ChatDelta(content=ev.text)
                     yield chunk([ChatChunkChoice(index=i, delta=delta, logprobs=lps)])
@@ -198,6 +210,7 @@ async def chunks(
                     calls[i] = calls.get(i, 0) + 1
                     yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(tool_calls=[call]))])
                 case Finish():
+                    so_far[i] = ev.completion_tokens
                     finish = ChatChunkChoice(index=i, delta=ChatDelta(), finish_reason=ev.reason)
                     yield chunk([finish])
                     finishes[i] = ev

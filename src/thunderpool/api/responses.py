@@ -80,6 +80,10 @@ class ResponsesRequest(Strict):
     truncation: Literal["disabled"] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    # vLLM's, as benchmark clients send them (guidellm: stop null, ignore_eos true).
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop: str | list[str] | None = None
 
 
 class ResponseObject(BaseModel):
@@ -173,6 +177,9 @@ def to_conversation(req: ResponsesRequest) -> Conversation:
         max_tokens=req.max_output_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
+        min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos,
+        stop=req.stop,
     )
     tools = tuple(
         function_tool(t.name, t.description, t.parameters, f"tools.{i}")

@@ -143,7 +143,8 @@ def _mount_openai(app: FastAPI, engine: EngineClient, guarded: list, doc) -> Non
         if conv.stream:
             options = conv.sampling.stream_options
             include = bool(options and options.include_usage)
-            return EventStream(api.chunks(engine, admitted, include))
+            continuous = include and options.continuous_usage_stats  # as vLLM: both asked
+            return EventStream(api.chunks(engine, admitted, include, continuous))
         turns = await until_disconnect(request.receive, lambda: collect_turns(engine, admitted))
         if turns is None:
             return Response(status_code=CLIENT_CLOSED)

@@ -31,6 +31,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far.
+    continuous_usage_stats: bool = False
 
 
 class ContentPart(_Request):
@@ -89,6 +91,9 @@ class SamplingFields(_Request):
     presence_penalty: float | None = None
     repetition_penalty: float | None = None  # not OpenAI; vLLM's
     min_p: float | None = None  # not OpenAI; vLLM's and llama.cpp's
+    # vLLM's, which benchmark clients send to fix output lengths (engine/sampling.py).
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     # Annotations for the caller's own records: they change nothing in the answer.

@@ -27,6 +27,10 @@ def sampling_extras(req: ChatRequest | CompletionRequest, vocab: int | None = No
             out[name] = float(v)
     if req.logit_bias:
         out["logit_bias"] = _logit_bias(req.logit_bias, vocab)
+    if req.min_tokens is not None:
+        out["min_tokens"] = req.min_tokens
+    if req.ignore_eos:
+        out["ignore_eos"] = True
     if isinstance(req, ChatRequest):
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")

@@ -26,6 +26,7 @@ SERVED_CHOICES = ("auto", "none")
 class Text:
     text: str
     logprobs: tuple = ()  # the engine's TokenLogprobs of the tokens behind it, if asked
+    tokens: int = 0  # the choice's completion tokens so far (vLLM's continuous usage)
 
 
 @dataclass(frozen=True, slots=True)

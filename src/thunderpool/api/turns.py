@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from thunderpool.api.choices import merge
@@ -43,7 +44,7 @@ async def turn(
                 pieces = _pieces(splitter, d)
             for p in pieces:
                 calls += isinstance(p, Call)
-                yield p
+                yield replace(p, tokens=len(tokens)) if isinstance(p, Text) else p
             if d.finish_reason is not None:
                 yield _finish(engine, admitted, d, tokens, "".join(shown), calls)
                 return

@@ -54,10 +54,13 @@ class Engine:
         self.runner, self.control = runner, control
         # drafter: drafter.Drafter on the leader, for speculative decoding (or None).
         self.executor = Executor(runner, control, pipeline, drafter)
+        self.executor.make_sampler = partial(Sampler, eos=frozenset(eos))
         if tokenizer is not None:
             from thunderpool.engine.constraint import Grammars
 
-            self.executor.make_sampler = partial(Sampler, grammars=Grammars(tokenizer))
+            self.executor.make_sampler = partial(
+                Sampler, grammars=Grammars(tokenizer), eos=frozenset(eos)
+            )
         self.scheduler = Scheduler(
             prefill_chunk, max_batch, max_context, eos, prefix_index(runner, prefix_cache_tokens)
         )

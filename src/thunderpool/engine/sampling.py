@@ -34,6 +34,10 @@ class SamplingParams:
     logprobs: bool = False  # report each token's logprob (and top_logprobs alternatives)
     top_logprobs: int = 0
     json_schema: str | None = None  # the output must match it (constraint.check_schema)
+    # vLLM's: no end-of-sequence token (or stop string) ends it before min_tokens tokens,
+    # and ignore_eos runs on past the end token (to max_tokens, or a stop string).
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -55,6 +59,10 @@ class SamplingParams:
             if t < 0 or not -100 <= b <= 100:
                 bad = f"logit_bias={{{t}: {b}}}"
                 raise ValueError(f"{bad} needs a token id >= 0 and a bias in [-100, 100]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]"
+            )
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs={self.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
 
@@ -72,6 +80,7 @@ class SamplingParams:
             and not self.logprobs
             and not self.logit_bias
             and self.min_p == 0
+            and self.min_tokens == 0
             and penalized == (0.0, 0.0, 1.0)
         )
 
@@ -80,8 +89,11 @@ class Sampler:
     """logits (1, V) -> token (1,) for one sequence. `grammars` (constraint.Grammars, the
     leader's, per tokenizer) makes the row's matcher when the params carry a json_schema."""
 
-    def __init__(self, params: SamplingParams, grammars=None):
+    def __init__(self, params: SamplingParams, grammars=None, eos=frozenset()):
         self.params = p = params
+        # min_tokens: the end tokens' logits are masked until that many tokens are drawn.
+        self.eos = mx.array(sorted(eos), dtype=mx.int32) if p.min_tokens and eos else None
+        self.drawn = 0
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         self.key = mx.random.key(seed)
         if p.json_schema is not None and grammars is None:
@@ -97,7 +109,10 @@ class Sampler:
     @property
     def plain(self) -> bool:
         """Greedy and nothing else: a batch of such rows is one argmax."""
-        return self.params.greedy and not (self.matcher or self.penalties or self.logprobs)
+        masking = self.eos is not None and self.drawn < self.params.min_tokens
+        return self.params.greedy and not (
+            self.matcher or self.penalties or self.logprobs or masking
+        )
 
     def observe_prompt(self, tokens) -> None:
         if self.penalties is not None:
@@ -121,6 +136,9 @@ class Sampler:
             from thunderpool.engine.constraint import apply_mask
 
             logits = apply_mask(logits, self.matcher.allowed(logits.shape[-1]))
+        if self.eos is not None and self.drawn < p.min_tokens:
+            logits = logits.at[..., self.eos].add(-mx.inf)
+        self.drawn += 1
         token = self._draw(logits, p)
         if self.logprobs is not None:
             self.logprobs.record(raw, token)

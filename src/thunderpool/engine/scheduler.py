@@ -226,7 +226,7 @@ class Scheduler:
             if req is None or req.finished:
                 continue  # a burst ran it a step or two past its end
             req.generated += 1
-            if token in self.eos:
+            if token in self.eos and not req.params.ignore_eos:
                 reason, token = "stop", None
             elif self._at_limit(req, req.generated):
                 reason = "length"

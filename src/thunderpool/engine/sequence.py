@@ -91,7 +91,8 @@ class TextEdge:
         cancel: Callable[[int], None],
         counters: Counters | None = None,
     ):
-        self.text = TextStream(tokenizer, params.stop) if tokenizer is not None else None
+        text = TextStream(tokenizer, params.stop, params.min_tokens) if tokenizer else None
+        self.text = text
         self.emit, self.cancel, self.counters = emit, cancel, counters
         self.clock = counters.clock if counters is not None else time.perf_counter
         self.submitted = self.clock()
@@ -148,15 +149,23 @@ class TextEdge:
 class TextStream:
     """Feeds tokens to a streaming detokenizer; `add` returns only text that is final."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), min_tokens: int = 0):
         self.detok = tokenizer.detokenizer
         self.detok.reset()
         self.stop = tuple(s for s in stop if s)
         self.emitted = 0
         self.stopped = False
+        # vLLM's min_tokens: stop strings are looked for from the min_tokens-th token's text on.
+        self.min_tokens, self.count, self.floor = min_tokens, 0, 0
+        # An end token reaches the text only under ignore_eos; as vLLM, it shows no text.
+        self.ends = frozenset(getattr(tokenizer, "eos_token_ids", None) or ())
 
     def add(self, token: int) -> str:
-        self.detok.add_token(token)
+        if token not in self.ends:
+            self.detok.add_token(token)
+        self.count += 1
+        if self.count < self.min_tokens:
+            self.floor = len(self.detok.text)  # where the min_tokens-th token's text starts
         return self._advance(self.detok.text, final=False)
 
     def finish(self) -> str:
@@ -169,7 +178,11 @@ class TextStream:
     def _advance(self, text: str, final: bool) -> str:
         if self.stopped:
             return ""
-        start = max(0, self.emitted - max((len(s) for s in self.stop), default=0))
+        if self.count < self.min_tokens:  # no stop string yet: nothing held back
+            out = text[self.emitted :]
+            self.emitted = len(text)
+            return out
+        start = max(self.floor, self.emitted - max((len(s) for s in self.stop), default=0))
         cut = min((i for s in self.stop if (i := text.find(s, start)) >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
