@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -324,3 +327,39 @@ def test_vllm_length_controls_match_transformers(server, smollm2_transformers):
     assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == k + 6
     r = httpx.post(f"{server}/v1/chat/completions", json={**body, "min_tokens": 99}, timeout=30)
     assert r.status_code == 400 and "min_tokens=99" in r.json()["error"]["message"]
+
+
+GUIDELLM = os.environ.get("THUNDERPOOL_GUIDELLM", "/opt/guidellm/bin/guidellm")
+
+
+@pytest.mark.timeout(300)
+def test_guidellm_runs_unchanged(server, tmp_path):
+    """vLLM's load generator, with its defaults (streamed, ignore_eos to fix output lengths,
+    continuous usage), a short concurrent sweep: 0 errors, every output the length asked."""
+    if not Path(GUIDELLM).is_file():
+        if os.environ.get("THUNDERPOOL_REQUIRE_TOOLS"):
+            pytest.fail(f"{GUIDELLM} is missing; .ci/run installs guidellm there")
+        pytest.skip(f"guidellm is not installed at {GUIDELLM} (see .ci/run)")
+    from thunderpool.models.source import resolve_model
+
+    out = tmp_path / "guidellm.json"
+    cmd = [
+        GUIDELLM, "run",
+        "--backend", f"kind=openai_http,target={server}",
+        "--tokenizer", f"kind=huggingface_auto,model={resolve_model(None, progress=False)}",
+        "--profile", "kind=concurrent,streams=1",
+        "--override", "profile.streams", "1,4",
+        "--constraint", "kind=max_requests,count=8",
+        "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=16",
+        "--output", f"kind=json,path={out}", "--disable-progress",
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    benchmarks = json.loads(out.read_text())["benchmarks"]
+    assert len(benchmarks) == 2  # one per concurrency level
+    for b in benchmarks:
+        totals = b["metrics"]["request_totals"]
+        assert totals["errored"] == 0 and totals["incomplete"] == 0, totals
+        assert totals["successful"] == 8
+        assert b["metrics"]["output_token_count"]["successful"]["total_sum"] == 8 * 16
