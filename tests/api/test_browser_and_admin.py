@@ -172,3 +172,80 @@ def _run(sup, errors):
         sup.run()
     except Exception as e:  # noqa: BLE001 - the test asserts there is none
         errors.append(e)
+
+
+# --- limits: one client's running generations, the body size -----------------------------
+
+
+@pytest.fixture()
+def limited():
+    import socket
+
+    import uvicorn
+
+    engine = FakeEngine()
+    app = create_app(engine, max_concurrent_per_key=2)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    for _ in range(500):  # hang guard only
+        if server.started:
+            break
+        thread.join(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def test_one_clients_running_requests_are_limited(limited):
+    import httpx
+
+    forever = {"model": "fake-model", "prompt": "forever", "max_tokens": 100, "stream": True}
+    key = {"authorization": "Bearer a"}
+    with httpx.Client(base_url=limited, timeout=30) as c:
+        with (
+            c.stream("POST", "/v1/completions", json=forever, headers=key) as one,
+            c.stream("POST", "/v1/completions", json=forever, headers=key) as two,
+        ):
+            assert one.status_code == two.status_code == 200
+            r = c.post("/v1/completions", json=BODY, headers=key)
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "too_many_requests"
+            assert "--max-concurrent-per-key" in r.json()["error"]["message"]
+            # Each API answers in its own error format.
+            msg = {"model": "fake-model", "max_tokens": 4,
+                   "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+            r = c.post("/v1/messages", json=msg, headers=key)
+            assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+            r = c.post("/api/generate", json={"model": "fake-model", "prompt": "hi"}, headers=key)
+            assert r.status_code == 429 and "error" in r.json()
+            # Another key, or no key (its address), is another client.
+            assert c.post("/v1/completions", json=BODY, headers={"x-api-key": "b"}).is_success
+            assert c.post("/v1/completions", json=BODY).is_success
+            assert c.get("/v1/models", headers=key).is_success  # only generation counts
+        # A closed stream frees its place, once the server has seen the client leave.
+        deadline = time.monotonic() + 10
+        while (r := c.post("/v1/completions", json=BODY, headers=key)).status_code == 429:
+            assert time.monotonic() < deadline, "the closed streams still count"
+            time.sleep(0.05)
+        assert r.status_code == 200
+
+
+def test_a_body_past_the_limit_is_413_and_documented():
+    r = client().post(
+        "/v1/completions",
+        content=b"x" * (16 << 20 | 1),
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 413
+    doc = client().get("/openapi.json").json()["paths"]
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/api/chat"):
+        assert {"413", "429"} <= set(doc[path]["post"]["responses"]), path
+    assert "retry-after" in {
+        h.lower() for h in doc["/v1/completions"]["post"]["responses"]["429"]["headers"]
+    }

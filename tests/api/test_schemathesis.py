@@ -133,7 +133,8 @@ def test_the_document_names_bodies_answers_and_the_key():
             op = doc["paths"][path]["post"]
             body = op["requestBody"]["content"]["application/json"]
             assert body["schema"] == {"$ref": f"#/components/schemas/{model.__name__}"}
-            assert sorted(op["responses"]) == sorted(["200", "400", "404", "503", *refusals])
+            answers = ["200", "400", "404", "413", "429", "503", *refusals]
+            assert sorted(op["responses"]) == sorted(answers)
             assert sorted(op["responses"]["200"]["content"]) == [
                 "application/json",
                 "text/event-stream",

@@ -125,6 +125,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     413: "request_too_large",
+    429: "rate_limit_error",
     503: "overloaded_error",
 }
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -317,7 +318,7 @@ def mount(
     }
     doc = openapi.route(
         {"model": MessageResponse, "content": openapi.named_events()},
-        (400, 404, 503),
+        (400, 404, 429, 503),
         MessagesRequest,
         example,
         guarded=keyed,

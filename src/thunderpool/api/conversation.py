@@ -18,6 +18,7 @@ from anyio import to_thread
 
 from thunderpool.api import prompts
 from thunderpool.api.errors import APIError, bad_request, not_ready
+from thunderpool.api.limits import check_running
 from thunderpool.api.schemas import SamplingFields
 from thunderpool.api.tools import Call, ToolSplitter, check_choice, check_tools
 from thunderpool.engine.logits import TokenLogprob
@@ -125,6 +126,7 @@ def _offered(conv: Conversation) -> list[dict[str, Any]]:
 
 async def admit(engine: EngineClient, conv: Conversation, prefix: str) -> Admitted:
     """Checks, renders the prompt and builds the Job; the engine is not called yet."""
+    check_running()  # the client's concurrent-request limit (api/limits.py)
     ids = await render(engine, conv)
     limit = engine.info.max_context
     if conv.context is not None:

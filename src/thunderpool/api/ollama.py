@@ -266,6 +266,7 @@ def _mount_generation(app: FastAPI, engine: EngineClient, ollama_errors, doc) ->
             {"model": OllamaChatResponse, "content": openapi.ndjson()},
             OllamaChatRequest,
             chat_example,
+            errors=(400, 404, 429, 503),
         ),
     )
     @ollama_errors
@@ -287,6 +288,7 @@ def _mount_generation(app: FastAPI, engine: EngineClient, ollama_errors, doc) ->
             {"model": OllamaGenerateResponse, "content": openapi.ndjson()},
             OllamaGenerateRequest,
             gen_example,
+            errors=(400, 404, 429, 503),
         ),
     )
     @ollama_errors

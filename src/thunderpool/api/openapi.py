@@ -28,6 +28,9 @@ ERRORS = {
     400: "the body is not valid JSON, or a field is wrong (named in `error.param`)",
     401: "missing or incorrect API key",
     404: "no such model",
+    413: "the body is larger than the server reads (16 MiB)",
+    429: "this client (its API key, or its address) has --max-concurrent-per-key requests "
+    "running; retry after `Retry-After` seconds",
     503: "the model is not ready; retry after `Retry-After` seconds",
 }
 
@@ -118,11 +121,12 @@ def route(
     `example` is documented as is and streamed (fuzzers replay examples before inventing).
     """
     responses: dict[int | str, Any] = {200: {"description": "OK", **ok}}
-    for status in sorted(errors + ((401,) if guarded else ())):
+    statuses = set(errors) | ({401} if guarded else set()) | ({413} if body else set())
+    for status in sorted(statuses):
         # Spelled out, not {"model": ErrorBody}: FastAPI would give it the route's media type.
         shape = {"application/json": {"schema": {"$ref": REF.format(model=error)}}}
         responses[status] = {"description": ERRORS[status], "content": shape}
-        if status == 503:
+        if status in (429, 503):
             responses[status]["headers"] = RETRY_AFTER
     extra: dict[str, Any] = {}
     if body is not None:

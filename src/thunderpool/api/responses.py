@@ -339,7 +339,7 @@ async def events(
 def mount(app: FastAPI, engine: EngineClient, guard: list[Any], keyed: bool) -> None:
     example = {"model": engine.info.model, "input": "Hello", "max_output_tokens": 16}
     ok = {"model": ResponseObject, "content": openapi.named_events()}
-    doc = openapi.route(ok, (400, 404, 503), ResponsesRequest, example, guarded=keyed)
+    doc = openapi.route(ok, (400, 404, 429, 503), ResponsesRequest, example, guarded=keyed)
 
     @app.post("/v1/responses", dependencies=guard, **doc)
     async def responses(request: Request) -> Response:

@@ -25,6 +25,7 @@ from thunderpool.api import anthropic, ollama, openai_chat, openai_text, openapi
 from thunderpool.api.conversation import Conversation, admit
 from thunderpool.api.errors import RETRY_AFTER_S, APIError, install_error_handlers
 from thunderpool.api.history import EVERY_S, History
+from thunderpool.api.limits import DEFAULT_PER_KEY, PerKeyLimit
 from thunderpool.api.metrics import CONTENT_TYPE, HTTPCounter, render
 from thunderpool.api.observe import AccessLog, Latencies, RecordingEngine
 from thunderpool.api.origin import HostGuard
@@ -78,12 +79,14 @@ def create_app(
     cors_origins: Sequence[str] = (),
     bind_host: str | None = None,
     allowed_hosts: Sequence[str] = (),
+    max_concurrent_per_key: int = DEFAULT_PER_KEY,
 ) -> FastAPI:
     """The API app. `api_key` guards /v1/*, /api/* and /metrics; /health (and `/`) stay open.
     `log_prompts` adds each prompt's text to its access-log line; `cors_origins`: browser
     origins allowed to call it (none by default). With `bind_host` (the address it listens
     on), foreign Host names and other sites' POSTs are refused (api/origin.py), but for
-    `allowed_hosts`."""
+    `allowed_hosts`. A client may have `max_concurrent_per_key` generations running (429s
+    past it; api/limits.py)."""
     latencies = Latencies()
     engine = RecordingEngine(engine, latencies, log_prompts)  # type: ignore[assignment]
     history = History(engine.metrics, latencies)
@@ -112,6 +115,7 @@ def create_app(
     install_error_handlers(app)
     # "/" is the dashboard's, mounted by the caller after this returns.
     known = frozenset(r.path for r in app.routes if "{" not in getattr(r, "path", "{")) | {"/"}
+    app.add_middleware(PerKeyLimit, per_key=max_concurrent_per_key)
     app.add_middleware(HTTPCounter, known=known, counts=http_counts)
     app.add_middleware(AccessLog)
     if cors_origins:
@@ -133,7 +137,7 @@ def create_app(
 def _mount_openai(app: FastAPI, engine: EngineClient, guarded: list, doc) -> None:
     """/v1/chat/completions and /v1/completions: each request a Conversation, rendered by
     openai_chat.py or openai_text.py."""
-    generating = (400, 404, 503)  # what a completion answers besides 200 (and 401)
+    generating = (400, 404, 429, 503)  # what a completion answers besides 200 (and 401)
     hello = {"model": engine.info.model, "max_tokens": 16}  # the documented examples' start
 
     async def answer(request: Request, conv: Conversation, prefix: str, api) -> Response:

@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch", type=parse_positive, default=8, help="requests decoded together (default 8)"
     )
     srv.add_argument(
+        "--max-concurrent-per-key",
+        type=parse_positive,
+        default=64,
+        metavar="N",
+        help="generation requests one client (its API key, or its address) may have running; "
+        "more get 429 with Retry-After (default 64)",
+    )
+    srv.add_argument(
         "--max-context",
         type=parse_positive,
         help="prompt + completion tokens per request (default: the model's limit)",

@@ -219,6 +219,7 @@ def _start_api(args, gateway, supervisor, api_key: str | None) -> str:
         cors_origins=args.cors_origin,
         bind_host=args.host,
         allowed_hosts=args.allowed_host,
+        max_concurrent_per_key=args.max_concurrent_per_key,
     )
     token, path = write_admin_token(args.port)
     atexit.register(path.unlink, missing_ok=True)
