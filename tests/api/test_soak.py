@@ -1,0 +1,170 @@
+"""Soak: `serve --nodes 2` on the embedded model under 16 concurrent clients for SOAK_S seconds,
+a fifth of them leaving mid-stream and some sending malformed bodies.
+
+Every request must end with its answer or a clear 4xx error (none waits past its client's
+timeout, none gets a 5xx), the server must be idle afterwards, the decode step time after the
+soak within 10% of before (the median gap between streamed tokens of a fixed-length greedy
+answer, ignore_eos), and the memory of every process flat: the resident set (VmRSS in
+/proc/PID/status) of `serve` and each of its rank processes at the end of the soak, against the
+same after a warm-up at the same load, within MiB_FLAT. The figures go to artifacts/soak.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from serving import serving
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct-f32"
+CLIENTS = 16
+SOAK_S = float(os.environ.get("THUNDERPOOL_SOAK_S", "60"))  # CI; the note has a 300 s run
+WARM_S = 20.0
+REQUEST_TIMEOUT_S = 120.0  # "waits forever", in a test
+MIB_FLAT = 32
+MALFORMED = [
+    b"{not json",
+    b'{"model": "%s", "messages": "hi"}' % MODEL.encode(),
+    b'{"model": "%s", "messages": [], "max_tokens": -1}' % MODEL.encode(),
+    b'{"model": "%s", "prompt": "x", "max_tokens": 4, "bogus": 1}' % MODEL.encode(),
+    b"[]",
+]
+QUESTIONS = ["What is the capital of France?", "Name a color.", "Count to five.", "Say hi."]
+
+
+def rss_by_process(root: int) -> dict[int, int]:
+    """VmRSS bytes of `root` and every process below it."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        kb = next((int(line.split()[1]) for line in status.splitlines()
+                   if line.startswith("VmRSS:")), 0)  # fmt: skip
+        out[pid] = kb * 1024
+    return out
+
+
+def step_ms(url: str, runs: int = 3) -> float:
+    """Median ms between streamed tokens of a 48-token greedy answer (ignore_eos)."""
+    gaps = []
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    for _ in range(runs):
+        stamps = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    stamps.append(time.perf_counter())
+        gaps += [b - a for a, b in zip(stamps[2:], stamps[3:], strict=False)]
+    return 1000 * statistics.median(gaps)
+
+
+def client(i: int, url: str, until: float, outcomes: list, lock: threading.Lock) -> None:
+    rng = random.Random(i)
+    leaves = i % 5 == 0  # a fifth leave mid-stream
+    with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S) as c:
+        while time.monotonic() < until:
+            kind = "leave" if leaves else rng.choice(["stream", "whole", "whole", "malformed"])
+            try:
+                outcome = _one(c, kind, rng)
+            except httpx.TimeoutException:
+                outcome = f"{kind}: no answer in {REQUEST_TIMEOUT_S:.0f} s"
+            except httpx.HTTPError as e:
+                outcome = f"{kind}: {type(e).__name__}: {e}"
+            with lock:
+                outcomes.append((kind, outcome))
+
+
+def _one(c: httpx.Client, kind: str, rng: random.Random) -> str:
+    if kind == "malformed":
+        r = c.post("/v1/chat/completions", content=rng.choice(MALFORMED),
+                   headers={"content-type": "application/json"})  # fmt: skip
+        ok = r.status_code == 400 and r.json()["error"]["message"]
+        return "ok" if ok else f"malformed: {r.status_code} {r.text[:200]}"
+    ask = [{"role": "user", "content": rng.choice(QUESTIONS)}]
+    body = {"model": MODEL, "messages": ask, "max_tokens": rng.randint(4, 40), "temperature": 0.7}
+    if kind == "whole":
+        r = c.post("/v1/chat/completions", json=body)
+        ok = r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        return "ok" if ok else f"whole: {r.status_code} {r.text[:200]}"
+    with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            return f"{kind}: {r.status_code}"
+        lines = 0
+        for line in r.iter_lines():
+            lines += line.startswith("data: ")
+            if kind == "leave" and lines >= 3:
+                return "ok"  # closes the stream mid-answer
+            if line == "data: [DONE]":
+                return "ok"
+    return f"{kind}: the stream ended without [DONE]"
+
+
+def load(url: str, seconds: float) -> list[tuple[str, str]]:
+    outcomes: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    until = time.monotonic() + seconds
+    threads = [threading.Thread(target=client, args=(i, url, until, outcomes, lock), daemon=True)
+               for i in range(CLIENTS)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 2 * REQUEST_TIMEOUT_S)
+        assert not t.is_alive(), "a client never finished"
+    return outcomes
+
+
+def idle(url: str) -> bool:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#" and line)
+    busy = ("thunderpool_active_requests", "thunderpool_queue_depth")
+    return all(float(values.get(k, 0)) == 0 for k in busy)
+
+
+@pytest.mark.timeout(SOAK_S + WARM_S + 600)
+def test_soak():
+    with serving("--nodes", "2", "--parallel", "tp", "--max-context", "512") as served:
+        url = served.url
+        before_ms = step_ms(url)
+        warm = load(url, WARM_S)
+        rss0 = rss_by_process(served.proc.pid)
+        outcomes = load(url, SOAK_S)
+        deadline = time.monotonic() + 60
+        while not idle(url):
+            assert time.monotonic() < deadline, "requests still running after the soak"
+            time.sleep(0.5)
+        rss1 = rss_by_process(served.proc.pid)
+        after_ms = min(step_ms(url) for _ in range(2))  # the better of two: noise, not a leak
+        assert served.proc.poll() is None
+    failed = [o for o in warm + outcomes if o[1] != "ok"]
+    kinds = {k: sum(1 for kk, _ in outcomes if kk == k) for k in {k for k, _ in outcomes}}
+    growth = {pid: (rss1.get(pid, 0) - rss0[pid]) / 2**20 for pid in rss0}
+    figures = {"soak_s": SOAK_S, "clients": CLIENTS, "requests": kinds,
+               "failed": failed[:20], "step_ms_before": before_ms, "step_ms_after": after_ms,
+               "step_ratio": after_ms / before_ms, "rss_mib_after_warmup":
+               {p: v / 2**20 for p, v in rss0.items()}, "rss_growth_mib": growth}  # fmt: skip
+    Path("artifacts").mkdir(exist_ok=True)
+    Path("artifacts/soak.json").write_text(json.dumps(figures, indent=1))
+    assert not failed, failed[:10]
+    assert kinds.get("leave", 0) > 0 and kinds.get("malformed", 0) > 0
+    assert all(g <= MIB_FLAT for g in growth.values()), growth
+    assert after_ms <= 1.10 * before_ms, figures
