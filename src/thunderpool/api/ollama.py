@@ -22,6 +22,7 @@ from thunderpool.api import openapi
 from thunderpool.api.conversation import Admitted, Conversation, Finish, admit
 from thunderpool.api.errors import APIError, bad_request
 from thunderpool.api.ollama_wire import (
+    OPTIONS,
     OllamaChatRequest,
     OllamaChatResponse,
     OllamaError,
@@ -39,7 +40,6 @@ from thunderpool.engine.service import EngineClient
 
 CLIENT_CLOSED = 499
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's own
-OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "seed", "stop", "num_ctx"}
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -57,7 +57,8 @@ def check_model(requested: str, served: str) -> None:
 
 def _refuse(req: _Generating, **unsupported: Any) -> None:
     for name, value in {"format": req.format, "think": req.think, **unsupported}.items():
-        if value:
+        # Unset: null, false, "" or [] (schema_limits.FALSY says the same); 0 or {} is a value.
+        if not (value is None or value is False or value == "" or value == []):
             raise bad_request(f"'{name}' is not supported by this server; remove it", name)
 
 
@@ -295,10 +296,11 @@ def _mount_generation(app: FastAPI, engine: EngineClient, ollama_errors, doc) ->
     async def generate(request: Request) -> Response:
         req = await parse(request, OllamaGenerateRequest)
         check_model(req.model, served)
-        if not req.prompt and not req.raw:  # Ollama's way to preload a model: it is loaded
+        conv = generate_conversation(req)  # what it cannot honour is refused, preload or not
+        if not req.prompt:  # Ollama's way to preload a model (raw or not): it is loaded
             body = {"model": served, "created_at": _now(), "response": ""}
             return JSONResponse({**body, "done": True, "done_reason": "load"})
-        return await answer(request, generate_conversation(req), chat=False)
+        return await answer(request, conv, chat=False)
 
 
 def _mount_info(app: FastAPI, engine: EngineClient, ollama_errors, doc) -> None:

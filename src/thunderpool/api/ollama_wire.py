@@ -20,6 +20,9 @@ class OllamaToolCall(Strict):
     function: OllamaFunction
 
 
+OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "seed", "stop", "num_ctx"}
+
+
 class OllamaMessage(Strict):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = None

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
+from thunderpool.api import schema_limits
 from thunderpool.api.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -25,7 +26,10 @@ REF = "#/components/schemas/{model}"
 SCHEME = "bearer"
 
 ERRORS = {
-    400: "the body is not valid JSON, or a field is wrong (named in `error.param`)",
+    400: "the body is not valid JSON, or a field is wrong (named in `error.param`); also what "
+    "no schema states: a prompt that leaves `max_tokens` no room in the context "
+    "(`context_length_exceeded`), `min_tokens` above `max_tokens`, `tools` for a model whose "
+    "chat template has no tool format, a conversation the model's chat template refuses",
     401: "missing or incorrect API key",
     404: "no such model",
     413: "the body is larger than the server reads (16 MiB)",
@@ -165,6 +169,7 @@ def install(app: FastAPI, keyed: bool, extra: tuple[type[BaseModel], ...] = ()) 
                 # The field may be null only so that its absence gets our own 400 message.
                 schemas[body.__name__]["properties"]["model"] = {"type": "string"}
                 schemas[body.__name__]["required"].insert(0, "model")
+            schema_limits.apply(schemas)
             for operation in (op for path in doc["paths"].values() for op in path.values()):
                 operation["responses"].pop("422", None)
             schemas.pop("HTTPValidationError", None)

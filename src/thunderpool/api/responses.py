@@ -172,6 +172,8 @@ def to_conversation(req: ResponsesRequest) -> Conversation:
         )
     if isinstance(req.input, list) and not req.input:
         raise bad_request("'input' must not be empty", param="input")
+    if (isinstance(req.stop, list) and any(not s for s in req.stop)) or req.stop == "":
+        raise bad_request("stop strings must not be empty", param="stop")
     sampling = SamplingFields(
         model=req.model,
         max_tokens=req.max_output_tokens,
