@@ -10,6 +10,7 @@ import anyio
 import schemathesis
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
+from fuzz_checks import schema_valid_accepted
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error, positive_data_acceptance
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -21,9 +22,10 @@ from thunderpool.engine.service import EngineStatus
 KEY = "sk-fuzz-key"
 CALL_TIMEOUT_S = 10.0  # a hang guard, not a timing: FakeEngine answers in microseconds
 AUTH = {"Authorization": f"Bearer {KEY}"}
-# Every default check but one. positive_data_acceptance: a schema cannot say "the served model"
-# or "max_tokens within the context", so schema-valid requests are rightly 400/404.
+# Every default check, positive_data_acceptance as fuzz_checks.py narrows it: a schema cannot
+# say "max_tokens within the context", so those schema-valid requests are rightly 400s.
 EXCLUDED = [positive_data_acceptance]
+ADDED = [schema_valid_accepted]
 
 
 class FuzzEngine(FakeEngine):
@@ -73,38 +75,38 @@ OTHERS = r"^/(api/|v1/messages|v1/responses)"
 @open_api.exclude(path_regex=OTHERS).parametrize()
 @fuzz
 def test_without_a_key(case):
-    case.call_and_validate(excluded_checks=EXCLUDED)
+    case.call_and_validate(excluded_checks=EXCLUDED, additional_checks=ADDED)
 
 
 @open_api.include(path_regex=OTHERS).parametrize()
 @settings(fuzz, max_examples=10)
 def test_other_apis_without_a_key(case):
-    case.call_and_validate(excluded_checks=EXCLUDED)
+    case.call_and_validate(excluded_checks=EXCLUDED, additional_checks=ADDED)
 
 
 @keyed_api.exclude(path_regex=OTHERS).parametrize()
 @fuzz
 def test_with_a_key(case):
-    case.call_and_validate(headers=AUTH, excluded_checks=EXCLUDED)
+    case.call_and_validate(headers=AUTH, excluded_checks=EXCLUDED, additional_checks=ADDED)
 
 
 @keyed_api.include(path_regex=OTHERS).parametrize()
 @settings(fuzz, max_examples=6)
 def test_other_apis_with_a_key(case):
-    case.call_and_validate(headers=AUTH, excluded_checks=EXCLUDED)
+    case.call_and_validate(headers=AUTH, excluded_checks=EXCLUDED, additional_checks=ADDED)
 
 
 @loading_api.exclude(path_regex=OTHERS).parametrize()
 @settings(fuzz, max_examples=10)
 def test_while_loading(case):
     """The 503s (and their Retry-After) are as documented too: here a 5xx is the answer."""
-    case.call_and_validate(excluded_checks=[*EXCLUDED, not_a_server_error])
+    case.call_and_validate(excluded_checks=[*EXCLUDED, not_a_server_error], additional_checks=ADDED)
 
 
 @loading_api.include(path_regex=OTHERS).parametrize()
 @settings(fuzz, max_examples=3)
 def test_other_apis_while_loading(case):
-    case.call_and_validate(excluded_checks=[*EXCLUDED, not_a_server_error])
+    case.call_and_validate(excluded_checks=[*EXCLUDED, not_a_server_error], additional_checks=ADDED)
 
 
 def test_wire_models_have_distinct_names():

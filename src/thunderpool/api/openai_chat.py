@@ -99,7 +99,8 @@ def tool_choice(choice: str | dict[str, Any] | None) -> str:
                 param="tool_choice",
             )
         return choice
-    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None  # any JSON may stand there
     if choice.get("type") != "function" or not isinstance(name, str):
         raise bad_request(
             'a named tool_choice is {"type": "function", "function": {"name": ...}}',

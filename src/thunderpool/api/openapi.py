@@ -29,7 +29,10 @@ ERRORS = {
     400: "the body is not valid JSON, or a field is wrong (named in `error.param`); also what "
     "no schema states: a prompt that leaves `max_tokens` no room in the context "
     "(`context_length_exceeded`), `min_tokens` above `max_tokens`, `tools` for a model whose "
-    "chat template has no tool format, a conversation the model's chat template refuses",
+    "chat template has no tool format, a conversation the model's chat template refuses, a "
+    "tool_choice naming a function not in `tools` (or with no `tools`), a JSON schema "
+    "(`response_format`, a tool's `parameters`) the output grammar cannot compile, tool-call "
+    "`arguments` that are not JSON text",
     401: "missing or incorrect API key",
     404: "no such model",
     413: "the body is larger than the server reads (16 MiB)",

@@ -50,9 +50,28 @@ OLLAMA: dict[str, dict[str, Any]] = {
         "properties": {"num_ctx": {"type": ["integer", "null"], "minimum": 1}},
     },
 }
+CHOICE = {"enum": ["auto", "none", "required"]}
 LIMITS: dict[str, dict[str, dict[str, Any]]] = {
     "ChatRequest": {
+        "": {  # top_logprobs needs logprobs
+            "if": {
+                "properties": {"top_logprobs": {"type": "integer"}},
+                "required": ["top_logprobs"],
+            },
+            "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+        },
         **SAMPLING,
+        "tool_choice": {
+            "anyOf": [
+                CHOICE,
+                {
+                    "type": "object",
+                    "required": ["type", "function"],
+                    "properties": {"type": {"const": "function"}, "function": NAMED},
+                },
+                {"type": "null"},
+            ]
+        },
         "messages": {"minItems": 1},
         "max_completion_tokens": {"minimum": 1},
         "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
@@ -74,8 +93,90 @@ LIMITS: dict[str, dict[str, dict[str, Any]]] = {
         "stop_sequences": {"items": NON_EMPTY},
     },
     "CountTokensRequest": {"messages": {"minItems": 1}},
+    "Message": {
+        "": {  # a tool message answers a call; only the assistant's carry calls
+            "allOf": [
+                {
+                    "if": {"properties": {"role": {"const": "tool"}}},
+                    "then": {
+                        "required": ["tool_call_id"],
+                        "properties": {"tool_call_id": {"type": "string"}},
+                    },
+                },
+                {
+                    "if": {
+                        "properties": {"tool_calls": {"type": "array", "minItems": 1}},
+                        "required": ["tool_calls"],
+                    },
+                    "then": {"properties": {"role": {"const": "assistant"}}},
+                },
+            ]
+        }
+    },
+    "AnthropicTool": {"name": {"minLength": 1}},
+    "ResponsesTool": {"name": {"minLength": 1}},
+    "ResponsesItem": {
+        "": {  # what each kind of item needs (the type is "message" when absent)
+            "allOf": [
+                {
+                    "if": {
+                        "anyOf": [
+                            {"not": {"required": ["type"]}},
+                            {"properties": {"type": {"const": "message"}}},
+                        ]
+                    },
+                    "then": {"required": ["role"], "properties": {"role": {"type": "string"}}},
+                },
+                {
+                    "if": {
+                        "properties": {"type": {"const": "function_call"}},
+                        "required": ["type"],
+                    },
+                    "then": {
+                        "required": ["call_id", "name", "arguments"],
+                        "properties": {
+                            "call_id": NON_EMPTY,
+                            "name": NON_EMPTY,
+                            "arguments": {"type": "string"},
+                        },
+                    },
+                },
+                {
+                    "if": {
+                        "properties": {"type": {"const": "function_call_output"}},
+                        "required": ["type"],
+                    },
+                    "then": {
+                        "required": ["call_id", "output"],
+                        "properties": {"call_id": {"type": "string"}, "output": {"type": "string"}},
+                    },
+                },
+            ]
+        }
+    },
+    # "" is the object itself: a json_schema format must carry its schema.
+    "ResponseFormat": {
+        "": {
+            "if": {"properties": {"type": {"const": "json_schema"}}},
+            "then": {
+                "required": ["json_schema"],
+                "properties": {
+                    "json_schema": {
+                        "type": "object",
+                        "required": ["schema"],
+                        "properties": {"schema": {"type": "object"}},
+                    }
+                },
+            },
+        }
+    },
     "AnthropicToolChoice": {"type": {"enum": ["auto", "none"]}},  # forced calls: not here yet
-    "OllamaChatRequest": {"tools": {"items": FUNCTION_TOOL}, **OLLAMA},
+    "OllamaChatRequest": {
+        "": {"required": ["messages"]},
+        "messages": {"type": "array", "minItems": 1},
+        "tools": {"items": FUNCTION_TOOL},
+        **OLLAMA,
+    },
     "OllamaGenerateRequest": {
         "images": {"maxItems": 0},
         "context": {"maxItems": 0},
@@ -92,6 +193,7 @@ LIMITS: dict[str, dict[str, dict[str, Any]]] = {
         "store": NOT_TRUE,
         "min_tokens": {"minimum": 0},
         "stop": {"minLength": 1, "items": NON_EMPTY},
+        "tool_choice": {"anyOf": [{"enum": ["auto", "none"]}, {"type": "null"}]},  # no forcing
     },
 }
 
@@ -99,7 +201,13 @@ LIMITS: dict[str, dict[str, dict[str, Any]]] = {
 def apply(schemas: dict[str, Any]) -> None:
     """Add LIMITS to the document's component schemas, in place."""
     for name, fields in LIMITS.items():
-        props = schemas.get(name, {}).get("properties", {})
+        schema = schemas.get(name, {})
+        props = schema.get("properties", {})
         for field, extra in fields.items():
-            if field in props:
+            if field == "":
+                required = schema.get("required", []) + extra.get("required", [])
+                schema.update(extra)
+                if required:
+                    schema["required"] = list(dict.fromkeys(required))
+            elif field in props:
                 props[field].update(extra)
