@@ -22,12 +22,12 @@ from thunderpool.api import openapi
 from thunderpool.api.conversation import Admitted, Conversation, Finish, admit
 from thunderpool.api.errors import APIError, bad_request
 from thunderpool.api.ollama_wire import (
-    OPTIONS,
     OllamaChatRequest,
     OllamaChatResponse,
     OllamaError,
     OllamaGenerateRequest,
     OllamaGenerateResponse,
+    OllamaOptions,
     ShowRequest,
     _Generating,
 )
@@ -63,29 +63,32 @@ def _refuse(req: _Generating, **unsupported: Any) -> None:
 
 
 def _sampling(req: _Generating) -> tuple[SamplingFields, int | None]:
-    options = dict(req.options or {})
-    if unknown := sorted(set(options) - OPTIONS):
+    o = req.options or OllamaOptions()
+    predict = o.num_predict
+    fields = SamplingFields(
+        model=req.model,
+        max_tokens=predict if predict is not None and predict > 0 else None,
+        temperature=DEFAULTS["temperature"] if o.temperature is None else o.temperature,
+        top_p=DEFAULTS["top_p"] if o.top_p is None else o.top_p,
+        top_k=DEFAULTS["top_k"] if o.top_k is None else o.top_k,
+        seed=o.seed,
+        stop=o.stop,
+    )
+    # Checked here, not only when sampling starts: a preload (no prompt) answers too.
+    for bad, why in (
+        (fields.temperature < 0, f"temperature={fields.temperature} must be >= 0"),
+        (not 0 < fields.top_p <= 1, f"top_p={fields.top_p} must be in (0, 1]"),
+        (fields.top_k < 0, f"top_k={fields.top_k} must be >= 0"),
+    ):
+        if bad:
+            raise bad_request(f"options.{why}", "options." + why.split("=")[0])
+    if (isinstance(o.stop, list) and not all(o.stop)) or o.stop == "":
+        raise bad_request("options.stop strings must not be empty", "options.stop")
+    if o.num_ctx is not None and o.num_ctx < 1:
         raise bad_request(
-            f"'options.{unknown[0]}' is not supported; supported options: {sorted(OPTIONS)}",
-            f"options.{unknown[0]}",
+            f"options.num_ctx={o.num_ctx} must be a positive integer", "options.num_ctx"
         )
-    try:
-        predict = options.get("num_predict")
-        fields = SamplingFields(
-            model=req.model,
-            max_tokens=predict if predict is not None and predict > 0 else None,
-            temperature=float(options.get("temperature", DEFAULTS["temperature"])),
-            top_p=float(options.get("top_p", DEFAULTS["top_p"])),
-            top_k=options.get("top_k", DEFAULTS["top_k"]),
-            seed=options.get("seed"),
-            stop=options.get("stop"),
-        )
-    except (ValueError, TypeError) as e:
-        raise bad_request(f"invalid 'options': {e}", param="options") from e
-    ctx = options.get("num_ctx")
-    if ctx is not None and (not isinstance(ctx, int) or ctx < 1):
-        raise bad_request(f"options.num_ctx={ctx!r} must be a positive integer", "options.num_ctx")
-    return fields, ctx
+    return fields, o.num_ctx
 
 
 def _tools(raw: list[Any] | None) -> tuple[dict[str, Any], ...]:

@@ -20,9 +20,6 @@ class OllamaToolCall(Strict):
     function: OllamaFunction
 
 
-OPTIONS = {"num_predict", "temperature", "top_p", "top_k", "seed", "stop", "num_ctx"}
-
-
 class OllamaMessage(Strict):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = None
@@ -32,10 +29,22 @@ class OllamaMessage(Strict):
     thinking: str | None = None
 
 
+class OllamaOptions(Strict):
+    """The options this server honours (Ollama's names); any other is a 400 naming it."""
+
+    num_predict: int | None = None  # <= 0: until the context ends, as Ollama
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    num_ctx: int | None = None
+
+
 class _Generating(Strict):
     model: str
     stream: bool | None = None
-    options: dict[str, Any] | None = None
+    options: OllamaOptions | None = None
     format: Any = None
     keep_alive: float | int | str | None = None  # the served model stays loaded regardless
     think: bool | str | None = None

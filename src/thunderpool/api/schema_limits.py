@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from thunderpool.api.ollama_wire import OPTIONS
 from thunderpool.api.structured import MAX_COMPLETION_LOGPROBS, MAX_N
 from thunderpool.engine.sampling import MAX_TOP_LOGPROBS
 
@@ -45,10 +44,6 @@ FALSY = {"enum": [None, False, "", []]}  # Ollama's fields the server takes only
 OLLAMA: dict[str, dict[str, Any]] = {
     "format": FALSY,
     "think": FALSY,
-    "options": {
-        "propertyNames": {"enum": sorted(OPTIONS)},
-        "properties": {"num_ctx": {"type": ["integer", "null"], "minimum": 1}},
-    },
 }
 CHOICE = {"enum": ["auto", "none", "required"]}
 LIMITS: dict[str, dict[str, dict[str, Any]]] = {
@@ -185,6 +180,13 @@ LIMITS: dict[str, dict[str, dict[str, Any]]] = {
         **OLLAMA,
     },
     "OllamaMessage": {"images": {"maxItems": 0}},
+    "OllamaOptions": {
+        "temperature": {"minimum": 0},
+        "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"minimum": 0},
+        "stop": {"minLength": 1, "items": NON_EMPTY},
+        "num_ctx": {"minimum": 1},
+    },
     "ResponsesRequest": {
         "input": {"minItems": 1},
         "max_output_tokens": {"minimum": 1},
