@@ -39,6 +39,7 @@ from mlx_lm.utils import MODEL_REMAPPING, _get_classes
 from thunderpool.engine.drafter import DEFAULT_K, draw, trim
 from thunderpool.engine.sampling import SamplingParams
 from thunderpool.errors import ThunderpoolError
+from thunderpool.models import shape
 
 # Families whose MTP layer is a decoder layer of the model's own class, by its class name.
 LAYER_CLASSES = {"deepseek_v3": "DeepseekV3DecoderLayer", "glm4_moe": "DecoderLayer"}
@@ -170,7 +171,7 @@ def load_mtp_drafter(model_dir: Path, k: int = DEFAULT_K) -> MTPDrafter:
 
     config = read_config(model_dir)
     layer = load_mtp_layer(model_dir, config)
-    return MTPDrafter(layer, k, int(config["vocab_size"]))
+    return MTPDrafter(layer, k, shape.vocab(config))
 
 
 def check_mtp(config: dict, model_dir: Path) -> str:
@@ -214,7 +215,7 @@ def _no_weights(model_dir: Path, config: dict, prefix: str) -> ThunderpoolError:
 
 def load_mtp_layer(model_dir: Path, config: dict) -> MTPLayer:
     family = check_mtp(config, model_dir)
-    n = int(config["num_hidden_layers"])
+    n = shape.n_layers(config)
     prefix, shared = f"model.layers.{n}.", {}
     weights: dict[str, mx.array] = {}
     for f in sorted(model_dir.glob("model*.safetensors")):

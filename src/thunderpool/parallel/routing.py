@@ -107,6 +107,8 @@ def calibration_prompts(model_dir: Path, texts: list[str] | None = None) -> list
 
         tokenizer = load_tokenizer(model_dir)
         return [tokenizer.encode(t) for t in texts]
-    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    from thunderpool.models.shape import vocab as vocab_of
+
+    vocab = vocab_of(json.loads((model_dir / "config.json").read_text()))
     rng = np.random.default_rng(0)
     return [rng.integers(0, vocab, size=64).tolist() for _ in texts]
