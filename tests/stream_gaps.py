@@ -1,5 +1,5 @@
 """Tokens reach the client as they are made (issue 28 item 6): the SSE chunks' arrival times of
-one 700-token greedy stream, and the rule on their gaps. Shapes, not times: no gap may exceed 3x
+one 200-token greedy stream, and the rule on their gaps. Shapes, not times: no gap may exceed 3x
 the median gap plus 100 ms, unless the leader made a token that late itself (a slow step: the
 host took a core, a new buffer size retraced). What the rule catches is text made on time and
 delivered late: a stall in delivery while the leader's own gaps stayed short."""
@@ -16,7 +16,10 @@ import httpx
 
 from thunderpool.api.metrics import PREFIX
 
-TOKENS = 700
+# 200 tokens (700 once): the delays the rule has caught were steady (MPI ranks starving the
+# gateway), on the first steps (CPU kernels compiled) or recurring within a second (the agent
+# polls, serve's garbage collections), so a few seconds of stream meet each of them.
+TOKENS = 200
 PROMPT = "Write a very long story about a dragon and a knight, with many chapters."
 LEADER_LATE_S = 0.1  # a leader's gap over this excuses one late chunk (ITL histogram bound)
 _BUCKET = re.compile(rf'^{PREFIX}inter_token_latency_seconds_bucket{{le="([^"]+)"}} (\d+)$', re.M)

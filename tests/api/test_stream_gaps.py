@@ -1,4 +1,4 @@
-"""Tokens reach the client as they are made (issue 28 item 6): over a 700-token stream of the
+"""Tokens reach the client as they are made (issue 28 item 6): over a 200-token stream of the
 embedded model, no gap between two SSE chunks exceeds 3x the median gap plus 100 ms unless the
 leader made a token that late itself, on `serve --nodes 2` with its default backend. MPI ranks
 that spun beside the gateway on a 2-core machine starved it of CPU (gaps of 2-12 s, while every

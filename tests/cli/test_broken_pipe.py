@@ -94,8 +94,10 @@ def test_generate_cut_after_its_first_output_stops_every_rank(tiny_chat, tmp_pat
 SIMULATE = ("simulate", "--cluster", "2x m3-ultra-512@tb5-rdma", "--model", "glm-5:mxfp8")
 
 
-@pytest.mark.parametrize("argv", [SIMULATE, ("simulate", "--list"), ("simulate", "--validate")])
-def test_simulate_tables_cut_short(argv):
+def test_simulate_tables_cut_short():
+    """The plan's tables: `--list` and `--validate` print theirs on the same rich console,
+    and cli.main() ends any command whose reader is gone, so one of them stands for all."""
+    argv = SIMULATE
     code, stderr = cut_before_output(thunderpool(*argv))
     assert code == SIGPIPE_STATUS, stderr
     quiet(stderr)

@@ -1,5 +1,5 @@
 """Tokens reach the client as they are made on `serve --cluster` too (issue 28 item 6): a
-700-token greedy stream of the embedded model over two testbed hosts (the planner picks TP2),
+200-token greedy stream of the embedded model over two testbed hosts (the planner picks TP2),
 with the gap rule of tests/stream_gaps.py. The ranks are pinned one per core, so whatever else
 takes a core mid-step delays the step: serve's polls of the agents once built an httpx client
 per call (~20 ms of CPU each, loading the CA bundle), and serve's full garbage collections held

@@ -126,11 +126,12 @@ def test_tp2_fetches_half_of_each_split_matrix_and_matches_one_rank(
     assert 0 < got <= (loaded_bytes(events, 1) + files) * 1.05, (got, loaded_bytes(events, 1))
     assert got < 0.75 * whole
     assert a.weights.source.served_bytes >= got
-    # The same plan again: nothing crosses the network.
-    again = received(b)
-    launch(pair, "tp", tmp_path / "tp2.npz", model)
-    assert received(b) == again
-    np.testing.assert_array_equal(np.load(tmp_path / "tp2.npz")["tokens"], ref["tokens"])
+    if kind == "llama":  # the cache's reuse is the same for every model: once
+        # The same plan again: nothing crosses the network.
+        again = received(b)
+        launch(pair, "tp", tmp_path / "tp2.npz", model)
+        assert received(b) == again
+        np.testing.assert_array_equal(np.load(tmp_path / "tp2.npz")["tokens"], ref["tokens"])
 
 
 def quantize(
@@ -147,8 +148,14 @@ def quantize(
     return out
 
 
+# End to end, one checkpoint per way of packing: 3-bit values straddle words (as 5 and 6 bits
+# do), mxfp4 has scales and no biases, qwen3_moe cuts each expert. That the source cuts every
+# width as the loader does is tests/cluster/test_shards.py, 4 bits in
+# test_tp_pieces_are_exactly_what_each_rank_keeps, 2, 3, 5 and 6 bits, mx, nv and mixed in
+# test_tp3_source_cuts_are_the_loaders_cuts_for_every_width; a fetched piece is bytes,
+# whatever it packs.
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama-q4", "llama-q3", "llama-q6", "llama-mxfp4", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["llama-q3", "llama-mxfp4", "qwen3_moe"])
 def test_tp2_slices_quantized_and_expert_matrices_at_the_source(
     pair, tiny_models, tmp_path, kind, one_rank_trace
 ):

@@ -26,11 +26,13 @@ FAILING = Path(__file__).parent.parent / "failing"
 NO_MPI = pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (openmpi-bin)")
 LIMIT_S = 5.0
 
+# Each failure kind on one backend, and each backend's two ways to report a failed rank (an
+# exit code, a signal): ring gets the raise while loading, mpi the raise mid-decode (the
+# MPI_Finalize hang) and the SIGKILL (mpirun's own report). Ring's SIGKILL is
+# tests/engine/test_bad_input.py::test_rank_crash_mid_run_stops_every_rank (LocalInstance, the
+# launcher generate uses); ring's raise mid-decode is the bench case below.
 CASES = [
     ("ring", "load", "RuntimeError: injected load failure on rank 1"),
-    ("ring", "decode", "RuntimeError: injected decode failure on rank 1"),
-    ("ring", "die", "rank 1 was killed by signal 9"),
-    pytest.param("mpi", "load", "RuntimeError: injected load failure on rank 1", marks=NO_MPI),
     pytest.param("mpi", "decode", "RuntimeError: injected decode failure on rank 1", marks=NO_MPI),
     pytest.param("mpi", "die", "rank 1 was killed by signal 9", marks=NO_MPI),
 ]
@@ -66,10 +68,9 @@ def test_a_failed_rank_ends_generate_with_its_own_error(
     assert took <= LIMIT_S, f"{took:.1f} s from the failure to the exit"
 
 
-SERVE_CASES = ["ring", pytest.param("mpi", marks=NO_MPI)]
-
-
-@pytest.mark.parametrize("backend", SERVE_CASES)
+# bench reports what the launcher raised, whatever the backend: ring here, mpi's raise
+# mid-decode in CASES.
+@pytest.mark.parametrize("backend", ["ring"])
 def test_a_failed_rank_fails_bench(monkeypatch, tmp_path, tiny_chat, backend):
     """bench reports every layout, and a layout whose rank failed fails the run."""
     mark = failing_env(monkeypatch, tmp_path, "decode")
@@ -88,7 +89,10 @@ def test_a_failed_rank_fails_bench(monkeypatch, tmp_path, tiny_chat, backend):
     assert took <= LIMIT_S
 
 
-@pytest.mark.parametrize("backend", SERVE_CASES)
+# mpi: a ring serving instance losing a rank (serve's default on 2 cores) is
+# tests/api/test_lifecycle.py::test_a_killed_local_rank_is_restarted_and_serves_the_same_text;
+# how a rank's failure reaches the launcher on ring is in CASES and bench above.
+@pytest.mark.parametrize("backend", [pytest.param("mpi", marks=NO_MPI)])
 def test_a_failed_rank_ends_the_serving_instance_as_a_rank_loss(
     monkeypatch, tmp_path, tiny_chat, backend
 ):

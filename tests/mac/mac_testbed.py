@@ -41,6 +41,7 @@ class MacTestbed(Testbed):
             scene.n, scene.wires, [(f"{LAN}.{m + 1}", 24) for m in range(scene.n)], ends
         )
         self.home = home
+        self.addressed = addressed  # whether the Macs' tools print their cables' addresses
         # Unaddressed: the Macs report their cables without IPv4 addresses (as before
         # `doctor --fix`), though the namespaces' links have them.
         unaddressed = Scene(scene.n, scene.wires, self.scene.lan, {})
@@ -67,6 +68,7 @@ class MacTestbed(Testbed):
     def address_cables(self) -> None:
         """What `doctor --fix` does to each Mac: from now on its tools print the addresses."""
         write(self.scene, self.home / "recorded")
+        self.addressed = True
 
     def node_cmd(self, mac: int, *extra: str) -> list[str]:
         """`thunderpool node` on Mac `mac` (host mac+1), as that Mac."""

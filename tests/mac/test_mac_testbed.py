@@ -40,18 +40,24 @@ def _count(coord: Coordinator) -> int:
         return 0
 
 
-@pytest.fixture
-def macs(tmp_path):
+@pytest.fixture(scope="module")
+def macs(tmp_path_factory):
     """start(n) -> a MacTestbed of n Macs in a full mesh with every agent joined, and its
-    coordinator; torn down after the test."""
-    beds = []
+    coordinator. One testbed at a time (they share the prefix): a test that asks for the Macs
+    the testbed up has (their number, cables addressed or not) gets it again, so the cables
+    test's three Macs, addressed by then, run the TP3 test after it; any other ask takes it
+    down and starts another. Down at the end of the module."""
+    held: list[tuple[MacTestbed, Coordinator]] = []
 
     def start(n: int, addressed: bool = True) -> tuple[MacTestbed, Coordinator]:
-        bed = MacTestbed(SCENES[f"mesh{n}"], tmp_path, addressed).__enter__()
-        beds.append(bed)
-        first = bed.host(1).ip
+        if held and (held[0][0].scene.n, held[0][0].addressed) == (n, addressed):
+            return held[0]
+        while held:
+            held.pop()[0].down()
+        bed = MacTestbed(SCENES[f"mesh{n}"], tmp_path_factory.mktemp("macs"), addressed)
+        held.append((bed.__enter__(), Coordinator([f"{bed.host(1).ip}:{PORT}"], TOKEN)))
+        first, coord = bed.host(1).ip, held[0][1]
         bed.popen(1, bed.node_cmd(0, "--token", TOKEN), stderr=subprocess.DEVNULL)
-        coord = Coordinator([f"{first}:{PORT}"], TOKEN)
         assert wait_until(lambda: _count(coord) == 1, timeout=60)
         for mac in range(1, n):
             cmd = bed.node_cmd(mac, "--token", TOKEN, "--join", f"{first}:{PORT}")
@@ -60,8 +66,8 @@ def macs(tmp_path):
         return bed, coord
 
     yield start
-    for bed in beds:
-        bed.down()
+    while held:
+        held.pop()[0].down()
 
 
 def check_ranks(bed: MacTestbed, n: int) -> None:
@@ -86,10 +92,26 @@ def check_ranks(bed: MacTestbed, n: int) -> None:
     assert not any(e["ring_mode"] for e in seen)
 
 
+def test_cables_addressed_after_the_agents_started_reach_the_planner(macs):
+    """Agents that started before the cables had addresses (jaccl impossible: ring over the
+    LAN) pick them up once `doctor --fix` sets them, without a restart, peers included."""
+    bed, coord = macs(3, addressed=False)
+    state = coord.discover()
+    by_ip = {state.contacts[x].split(":")[0]: x for x in state.nodes}
+    order = [by_ip[bed.host(i).ip] for i in (1, 2, 3)]
+    assert jaccl_config(state, order, 32000) is None
+    bed.address_cables()
+    assert wait_until(lambda: jaccl_config(coord.discover(), order, 32000) is not None, 30, 0.5)
+    # Every agent, not only each Mac's own, now holds every Mac's addressed cables.
+    for i in (1, 2, 3):
+        view = Coordinator([f"{bed.host(i).ip}:{PORT}"], TOKEN)
+        assert wait_until(lambda v=view: jaccl_config(v.discover(), order, 1) is not None, 10, 0.5)
+
+
 def test_tp_over_three_macs_answers_like_one_rank(macs, tmp_path, tiny_models, one_rank_trace):
     prompts = tiny_prompts(2)
     expected = one_rank_trace(tiny_models["llama"], prompts, 16)
-    bed, coord = macs(3)
+    bed, coord = macs(3)  # the test above's, its cables addressed since (run alone: from the start)
     state = coord.probe(coord.discover())
     # Identical Macs of one macOS build are three machines.
     assert sorted(x.host_id for x in state.nodes.values()) == sorted(
@@ -132,19 +154,3 @@ def test_generate_cluster_on_four_macs_plans_tp_and_answers_like_one_process(mac
     assert pooled.returncode == 0, pooled.stderr
     assert pooled.stdout == alone.stdout and alone.stdout.strip()
     check_ranks(bed, 4)
-
-
-def test_cables_addressed_after_the_agents_started_reach_the_planner(macs):
-    """Agents that started before the cables had addresses (jaccl impossible: ring over the
-    LAN) pick them up once `doctor --fix` sets them, without a restart, peers included."""
-    bed, coord = macs(3, addressed=False)
-    state = coord.discover()
-    by_ip = {state.contacts[x].split(":")[0]: x for x in state.nodes}
-    order = [by_ip[bed.host(i).ip] for i in (1, 2, 3)]
-    assert jaccl_config(state, order, 32000) is None
-    bed.address_cables()
-    assert wait_until(lambda: jaccl_config(coord.discover(), order, 32000) is not None, 30, 0.5)
-    # Every agent, not only each Mac's own, now holds every Mac's addressed cables.
-    for i in (1, 2, 3):
-        view = Coordinator([f"{bed.host(i).ip}:{PORT}"], TOKEN)
-        assert wait_until(lambda v=view: jaccl_config(v.discover(), order, 1) is not None, 10, 0.5)

@@ -7,10 +7,10 @@ per-layer overrides (float, 5-bit group 32, mxfp4 and 8-bit group 128 modules in
 Layouts: llama on one rank, TP2 (even: mlx-lm's shard), TP3 (4 KV heads 2+1+1: our uneven
 slicing of packed words, 3 ranks under mpirun) and PP2; qwen3_moe on EP2 (whole experts, TP
 attention), hybrid (groups 2,1: a TP2 stage then a one-rank stage) and TP3 (uneven expert
-channels). Every format runs on every layout but the last, whose expert matrices share
-slice_cols with TP3's 2-D ones: it runs one format per way of packing (SUBSETS). The formats of
-one world size run in one launch of its ranks (matrix_ranks.py), each rank loading one format
-after another.
+channels). Every format runs on every layout but the last two, whose expert matrices share
+slice_cols with TP2's and TP3's 2-D ones: they run one format per way of packing (SUBSETS).
+The formats of one world size run in one launch of its ranks (matrix_ranks.py), each rank
+loading one format after another.
 
 Reference: mlx-lm's own model on one rank in this process, full forward at every step (no KV
 cache). Expected: identical greedy tokens and fp32 logits within TOL (the quantized weights
@@ -57,6 +57,10 @@ SUBSETS = {
     "tp3-moe": ("q3g32", "q5g64", "q6g64", "q4g128", "mxfp4", "nvfp4", "mxfp8", "mixed_3_6"),
 }
 SUBSETS["tp3-moe"] += ("overrides",)
+# hybrid's TP2 stage cuts with the same slice_cols tp2 (2-D) and tp3-moe (experts) prove, and
+# its hand-off passes hidden states, whatever the format: one format per way of packing too
+# (at group 128 TP2 cuts the experts' 256 channels on group boundaries, so it runs).
+SUBSETS["hybrid"] = SUBSETS["tp3-moe"]
 # How each layout loads: mlx-lm's even shard() where it applies, our slicing otherwise.
 METHOD: dict = {"one": "single", "tp2": "mlx-lm", "tp3": "uneven", "pp2": "pp", "ep2": "ep"}
 METHOD["hybrid"] = "hybrid"

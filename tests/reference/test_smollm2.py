@@ -30,41 +30,40 @@ def smollm2():
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_transformers):
-    """transformers' own GGUF loader (shared with the GGUF import's tests); greedy decoding on
-    its KV cache, checked against one full forward of the whole sequence: each token must be
-    the argmax at the position before it, which is what full-forward greedy decoding picks
-    (causal attention), at 1 forward per prompt instead of one per token."""
-    model, tok, _, _ = smollm2_transformers
-    prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
-    import inspect
+def prompts(smollm2_transformers) -> list[list[int]]:
+    """The prompts as transformers' own GGUF tokenizer encodes them."""
+    tok = smollm2_transformers[1]
+    return [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
 
-    # transformers 5 names the cache argument `cache`, 4.x `past_key_values`.
-    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+@pytest.fixture(scope="module")
+def reference(smollm2_transformers, prompts, ours):
+    """transformers' greedy tokens (its own GGUF loader, shared with the GGUF import's tests),
+    read from one full forward per prompt over the prompt and our single rank's tokens: the
+    argmax at each position. Greedy decoding picks the argmax after the tokens before it
+    (causal attention), so where every argmax is our next token, transformers' greedy decode is
+    our tokens, exactly; at the first position where ours differs, the argmax is transformers'
+    own token there, and the test below fails on it. One forward per prompt instead of one per
+    token (its KV-cache decode, which the reference ran before, repeats the full forward)."""
+    model, tok, _, _ = smollm2_transformers
     outputs = []
     with torch.no_grad():
-        for ids in prompts:
-            cache, step, toks = transformers.DynamicCache(), list(ids), []
-            for _ in range(STEPS):
-                logits = model(torch.tensor([step]), use_cache=True, **{arg: cache}).logits
-                step = [int(logits[0, -1].argmax())]
-                toks += step
-            full = model(torch.tensor([ids + toks[:-1]])).logits[0, len(ids) - 1 :]
-            assert full.argmax(-1).tolist() == toks
-            outputs.append(toks)
-    return prompts, np.array(outputs), tok
+        for ids, toks in zip(prompts, ours["single"].tolist(), strict=True):
+            assert len(toks) == STEPS
+            logits = model(torch.tensor([ids + toks[:-1]])).logits[0, len(ids) - 1 :]
+            outputs.append(logits.argmax(-1).tolist())
+    return np.array(outputs), tok
 
 
-def test_our_tokenizer_matches_transformers(smollm2, reference):
+def test_our_tokenizer_matches_transformers(smollm2, prompts):
     from mlx_lm.utils import load_tokenizer
 
-    prompts, _, _ = reference
     ours = load_tokenizer(smollm2[1])
     assert [ours.encode(p, add_special_tokens=False) for p in PROMPTS] == prompts
 
 
 def test_transformers_answers_paris(reference):
-    _, outputs, tok = reference
+    outputs, tok = reference
     assert "Paris" in tok.decode(outputs[0])
 
 
@@ -72,9 +71,8 @@ LAYOUTS = {"single": (1, "tp"), "tp2": (2, "tp"), "pp2": (2, "pp")}
 
 
 @pytest.fixture(scope="module")
-def ours(smollm2, reference, tmp_path_factory) -> dict[str, np.ndarray]:
+def ours(smollm2, prompts, tmp_path_factory) -> dict[str, np.ndarray]:
     """Our greedy tokens per layout; TP2 and PP2 share one launch of two ranks."""
-    prompts, _, _ = reference
     common = {"model_dir": smollm2[1], "prompts": prompts, "max_tokens": STEPS}
     cells = {i: {**common, "nodes": n, "parallel": p} for i, (n, p) in LAYOUTS.items()}
     traces = run_traces(cells, tmp_path_factory.mktemp("smollm2"))
@@ -83,5 +81,5 @@ def ours(smollm2, reference, tmp_path_factory) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_greedy_tokens_match_transformers(layout, ours, reference):
-    _, expected, _ = reference
+    expected, _ = reference
     np.testing.assert_array_equal(ours[layout], expected)
