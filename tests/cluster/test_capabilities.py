@@ -55,7 +55,11 @@ def test_linux_recorded_node_info():
     assert info.backends == ("ring",) and info.rdma is False
     assert (info.mem_bw_Bps, info.flops) == (0.0, 0.0)
     # Nothing Mac-only was asked on Linux.
-    assert set(run.calls) == {("ip", "-j", "addr"), ("mpirun", "--version")}
+    assert set(run.calls) == {
+        ("ip", "-j", "addr"),
+        ("ip", "-j", "-4", "route"),
+        ("mpirun", "--version"),
+    }
 
 
 def test_macos_26_rdma_tb5_node_info():

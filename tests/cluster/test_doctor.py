@@ -17,9 +17,9 @@ from thunderpool.cluster.node.doctor import (
     Check,
     check_thunderbolt,
     parse_peer,
-    parse_thunderbolt_ports,
     run_checks,
 )
+from thunderpool.cluster.node.facts import parse_thunderbolt_text
 from thunderpool.cluster.node.probes import probe_jaccl, probe_working_set, try_bind, try_connect
 
 MLX_OK = ("0.32.4", True, "")
@@ -63,6 +63,7 @@ def test_macos_26_rdma_tb5_all_pass():
         "Thunderbolt 5": "PASS",
         "Thunderbolt Bridge": "PASS",
         "RDMA devices": "PASS",
+        "RDMA links": "SKIP",
         "MLX": "PASS",
         "ring backend": "PASS",
         "jaccl backend": "PASS",
@@ -92,6 +93,7 @@ def test_macos_15_without_rdma():
         "Thunderbolt 5": "WARN",
         "Thunderbolt Bridge": "FAIL",
         "RDMA devices": "SKIP",
+        "RDMA links": "SKIP",
         "MLX": "PASS",
         "ring backend": "PASS",
         "jaccl backend": "FAIL",
@@ -137,6 +139,7 @@ def test_macos_26_rdma_disabled_tb4_bridge_on():
         "Thunderbolt 5": "WARN",
         "Thunderbolt Bridge": "FAIL",
         "RDMA devices": "SKIP",
+        "RDMA links": "SKIP",
         "MLX": "PASS",
         "ring backend": "PASS",
         "jaccl backend": "FAIL",
@@ -243,7 +246,8 @@ def test_bridge_falls_back_to_ifconfig_members():
 
 def test_thunderbolt_ports_parse_host_and_device_ports():
     text = (Replay("macos15").dir / "system_profiler_thunderbolt.txt").read_text()
-    assert parse_thunderbolt_ports(text) == [(True, 40), (False, 40)]
+    # This capture prints "Up to" on its connected port too: the speed, not a live reading.
+    assert parse_thunderbolt_text(text) == [(True, 40, False), (False, 40, False)]
 
 
 def test_port_bind_failures():

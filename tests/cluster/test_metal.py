@@ -44,9 +44,12 @@ def test_a_mac_plans_with_what_metal_wires_by_default_less_the_reserve():
     assert RECOMMENDED == 96 * GiB and VM_AVAILABLE > RECOMMENDED  # Metal's limit binds
     assert info.memory_total_bytes == TOTAL
     assert info.gpu_wired_limit_bytes == RECOMMENDED
-    assert info.memory_available_bytes == RECOMMENDED - 2 * GiB == 100931731456
+    # What Metal wires, within RAM less the one reserve (doctor's and --fix's too).
+    assert metal.OS_RESERVE_BYTES == 8 * 10**9 and RECOMMENDED < TOTAL - metal.OS_RESERVE_BYTES
+    assert info.memory_available_bytes == RECOMMENDED
     assert info.memory_budget == (
-        "100.9 GB: Metal wires 103.1 GB (recommended working set) less 2.1 GB for macOS"
+        "103.1 GB: Metal wires 103.1 GB (recommended working set), at most RAM less 8.0 GB "
+        "for macOS"
     )
     assert info.cpu_count == 12  # performance cores: hw.perflevel0.physicalcpu
 
@@ -54,7 +57,7 @@ def test_a_mac_plans_with_what_metal_wires_by_default_less_the_reserve():
 def test_a_raised_wired_limit_raises_the_budget_up_to_what_is_free():
     info = mac("macos26_metal_raised")
     assert info.gpu_wired_limit_bytes == 122880 * MiB
-    # 120 GiB - 2 GiB would be 118 GiB, but only VM_AVAILABLE is free now.
+    # 120 GiB would be the budget (RAM less 8 GB is more), but only VM_AVAILABLE is free now.
     assert info.memory_available_bytes == VM_AVAILABLE == 107315200000
     assert "(iogpu.wired_limit_mb)" in info.memory_budget
 
@@ -64,11 +67,11 @@ def test_budget_rules():
     assert metal.budget(TOTAL, None, "0") is None  # no Metal: RAM applies
     for text in ("0\n", "", None, "garbage"):  # unset or unreadable: Metal's recommendation
         b = metal.budget(TOTAL, info, text)
-        assert (b.bytes, b.wired_limit_bytes) == (RECOMMENDED - 2 * GiB, RECOMMENDED)
+        assert (b.bytes, b.wired_limit_bytes) == (RECOMMENDED, RECOMMENDED)
     low = metal.budget(TOTAL, info, str(64 * 1024))  # a limit below the recommendation
     assert low.wired_limit_bytes == RECOMMENDED and low.source == "recommended working set"
     high = metal.budget(TOTAL, info, str(200 * 1024))  # above the RAM: the RAM bounds it
-    assert (high.wired_limit_bytes, high.bytes) == (200 * GiB, TOTAL - 2 * GiB)
+    assert (high.wired_limit_bytes, high.bytes) == (200 * GiB, TOTAL - 8 * 10**9)
     tiny = metal.budget(GiB, {"max_recommended_working_set_size": GiB // 2}, "0")
     assert tiny.bytes == 0
 
@@ -85,8 +88,8 @@ def test_plan_says_which_budget_each_node_has():
     )
     state = SimpleNamespace(nodes={"a": m, "b": linux})
     assert budget_line(state) == (
-        f"memory budget per node: {m.name}: 100.9 GB: Metal wires 103.1 GB (recommended working "
-        "set) less 2.1 GB for macOS; box: 20.0 GB available of 24.0 GB"
+        f"memory budget per node: {m.name}: 103.1 GB: Metal wires 103.1 GB (recommended working "
+        "set), at most RAM less 8.0 GB for macOS; box: 20.0 GB available of 24.0 GB"
     )
 
 

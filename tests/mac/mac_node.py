@@ -119,6 +119,7 @@ def main() -> None:
 
     capabilities.node_info = node_info
     ranks._spawn = spawn
+    ranks.POSIX_SPAWN = True  # as on macOS: ranks start by posix_spawn, the agent never forks
     from thunderpool.cli import node
 
     node.REFRESH_S = float(os.environ.get("MAC_NODE_REFRESH_S", node.REFRESH_S))

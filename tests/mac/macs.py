@@ -21,6 +21,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mac_tools import ibv_devinfo, netstat, thunderbolt_text
+
 from thunderpool.cluster.control.messages import ThunderboltPort
 from thunderpool.cluster.node.thunderbolt import Cable, cable_addresses, cables
 
@@ -54,17 +56,30 @@ class Scene:
     # Failure knobs (tests/mac/test_doctor_mac.py); the defaults render the scenes above as before.
     rdma_off: bool = False  # `rdma_ctl status` says disabled; `ibv_devices` lists nothing
     wired_limit_mb: int | None = None  # `sysctl -n iogpu.wired_limit_mb` (0: Metal's default)
+    tb4: frozenset[int] = frozenset()  # wires (by index) that link at 40 Gb/s (a TB4 cable)
+    down: frozenset[int] = frozenset()  # wires whose RDMA ports `ibv_devinfo` shows PORT_DOWN
+    wifi: list[tuple[str, int]] = field(default_factory=list)  # each Mac's en1 (Wi-Fi), if on
+    cables_first: bool = False  # `ifconfig` lists the Thunderbolt ports before en0
 
     def __post_init__(self) -> None:
         self.lan = self.lan or [(f"192.168.1.{20 + m}", 24) for m in range(self.n)]
 
     def peer(self, mac: int, port: int) -> tuple[int, int] | None:
-        for a, p, b, q in self.wires:
+        return self.wire(mac, port)[1]
+
+    def wire(self, mac: int, port: int) -> tuple[int | None, tuple[int, int] | None]:
+        """(the index of the wire in this port, the Mac and port at its other end)."""
+        for k, (a, p, b, q) in enumerate(self.wires):
             if (a, p) == (mac, port):
-                return b, q
+                return k, (b, q)
             if (b, q) == (mac, port):
-                return a, p
-        return None
+                return k, (a, p)
+        return None, None
+
+    def speed(self, mac: int, port: int) -> int | None:
+        """The link's Gb/s on a cabled port (TB5 80, TB4 40); None: no cable."""
+        k, _ = self.wire(mac, port)
+        return None if k is None else 40 if k in self.tb4 else 80
 
     def cable_ips(self) -> dict[tuple[int, str], tuple[str, int]]:
         """(mac, iface) -> (address, prefix) on each cable end: the scene's own, else MLX's."""
@@ -101,7 +116,7 @@ def thunderbolt_json(scene: Scene, mac: int) -> str:
             "device_name_key": "Mac Studio",
             "domain_uuid_key": domain_uuid(mac, p),
             "receptacle_1_tag": {
-                "current_speed_key": "80 Gb/s" if peer else "Up to 120 Gb/s",
+                "current_speed_key": f"{scene.speed(mac, p)} Gb/s" if peer else "Up to 120 Gb/s",
                 "link_status_key": "0x2" if peer else "0x100",
                 "micro_version_key": "0.0.0",
                 "receptacle_id_key": str(p),
@@ -182,30 +197,42 @@ def ifconfig(scene: Scene, mac: int) -> str:
         "en1: flags=8863<UP,BROADCAST,SMART,RUNNING,SIMPLEX,MULTICAST> mtu 1500",
         "\toptions=6460<TSO4,TSO6,CHANNEL_IO,PARTIAL_CSUM,ZEROINVERT_CSUM>",
         f"\tether 6a:3e:55:8c:{mac:02x}:01",
+    ]
+    if scene.wifi:
+        ip, prefix = scene.wifi[mac]
+        out += [
+            f"\tinet6 fe80::8c2:5aff:fe11:{mac:04x}%en1 prefixlen 64 secured scopeid 0xc ",
+            f"\tinet {ip} netmask {_mask(prefix)} broadcast {_broadcast(ip, prefix)}",
+        ]
+    out += [
         "\tnd6 options=201<PERFORMNUD,DAD>",
         "\tmedia: autoselect",
-        "\tstatus: inactive",
+        f"\tstatus: {'active' if scene.wifi else 'inactive'}",
     ]
+    ports: list[str] = []
     for p in range(1, PORTS + 1):
         name, cabled = iface(p), scene.peer(mac, p) is not None
-        out += [
+        ports += [
             f"{name}: flags=8863<UP,BROADCAST,SMART,RUNNING,SIMPLEX,MULTICAST> mtu 1500",
             "\toptions=460<TSO4,TSO6,CHANNEL_IO>",
             f"\tether 36:e5:a2:{mac:02x}:10:{0x80 + 4 * (p - 1):02x}",
         ]
         if cabled:
-            out.append(
+            ports.append(
                 f"\tinet6 fe80::34e5:a2ff:fe{mac:02x}:10{p:02x}%{name} prefixlen 64 "
                 f"scopeid 0x{0xD + p:x} "
             )
         if (mac, name) in ips:
             ip, prefix = ips[mac, name]
-            out.append(f"\tinet {ip} netmask {_mask(prefix)} broadcast {_broadcast(ip, prefix)}")
-        out += [
+            ports.append(f"\tinet {ip} netmask {_mask(prefix)} broadcast {_broadcast(ip, prefix)}")
+        ports += [
             "\tnd6 options=201<PERFORMNUD,DAD>",
             "\tmedia: autoselect <full-duplex>",
             f"\tstatus: {'active' if cabled else 'inactive'}",
         ]
+    # As a Mac whose Thunderbolt ports came up first prints them: before en0.
+    first = out.index("en0: flags=8863<UP,BROADCAST,SMART,RUNNING,SIMPLEX,MULTICAST> mtu 1500")
+    out = out[:first] + ports + out[first:] if scene.cables_first else out + ports
     bridge_flags = (
         "8863<UP,BROADCAST,SMART,RUNNING,SIMPLEX,MULTICAST>"
         if scene.bridge_on
@@ -275,6 +302,9 @@ def outputs(scene: Scene, mac: int) -> dict[str, str]:
         ).read_text(),
         "rdma_ctl_status.txt": "disabled\n" if scene.rdma_off else "enabled\n",
         "ibv_devices.txt": ibv_devices(mac, scene.rdma_off),
+        "ibv_devinfo.txt": ibv_devinfo(scene, mac),
+        "system_profiler_thunderbolt.txt": thunderbolt_text(scene, mac),
+        "netstat_rn.txt": netstat(scene, mac),
         "ifconfig.txt": ifconfig(scene, mac),
         "networksetup_listallhardwareports.txt": hardware_ports(mac),
         "system_profiler_thunderbolt.json": thunderbolt_json(scene, mac),

@@ -172,12 +172,30 @@ def test_the_coordinator_is_the_first_address_every_rank_reaches(tmp_path):
 
     def reach(node, address, port):
         asked.append((node, address, port))
-        return address != lan or node != order[2]  # Mac 2 has no route to the LAN address
+        # Mac 2 has no route to the LAN address; elsewhere Mac 0 answers.
+        return None if address == lan and node == order[2] else order[0]
 
     assert pick_coordinator(state, order, cfg, reach).rsplit(":", 1)[0] in cabled
     assert {(n, p) for n, _, p in asked} == {(order[1], 7071), (order[2], 7071)}
     with pytest.raises(LaunchError, match=r"no address of mac0 .* reachable from every other"):
-        pick_coordinator(state, order, cfg, lambda *_: False)
+        pick_coordinator(state, order, cfg, lambda *_: None)
+
+
+def test_a_coordinator_address_another_mac_answers_at_is_a_launch_error(tmp_path):
+    """Two Macs hold rank 0's address (a cable numbered into the LAN): a connect succeeds
+    from every rank, but from Mac 2 it is Mac 1 that answers; the launch stops, naming both."""
+    nodes = our_nodes(write(SCENES["mesh3"], tmp_path / "m3"))
+    state, order = state_of(nodes), [n.node_id for n in nodes]
+    cfg = jaccl_config(state, order, 32000)
+    reach = lambda node, address, port: order[1] if node == order[2] else order[0]  # noqa: E731
+    with pytest.raises(LaunchError) as e:
+        pick_coordinator(state, order, cfg, reach)
+    assert str(e.value) == (
+        "192.168.1.20 is mac0 (mac0)'s (rank 0), but from mac2 (mac2) it is mac1 (mac1) that "
+        "answers there: two machines hold 192.168.1.20, likely a Thunderbolt cable numbered "
+        "into the LAN; run `thunderpool doctor --fix` on every Mac (it moves each cable's /30 "
+        "clear of every network), then launch again"
+    )
 
 
 def test_two_identical_macs_pool_their_memory_for_a_model_larger_than_one(tmp_path):

@@ -104,7 +104,7 @@ def rdma_statuses(checks: dict[str, Check]) -> dict[str, str]:
 # ---- a healthy mesh ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["mesh2", "mesh3", "mesh4", "mesh3_double", "mesh4_lan192"])
+@pytest.mark.parametrize("name", ["mesh2", "mesh3", "mesh4", "mesh3_double"])
 def test_meshes_set_up_by_mlx_pass(name, tmp_path):
     """MLX's --auto-setup addresses (in the recordings' order, not ours) pass: --fix would
     renumber nothing, and with the wired limit raised every RDMA check passes."""
@@ -120,12 +120,21 @@ def test_meshes_set_up_by_mlx_pass(name, tmp_path):
     assert checks["RDMA mesh"].detail == full
 
 
-def test_lan_on_192_168_0_passes_by_longest_prefix(tmp_path):
+def test_mlx_numbering_on_a_192_168_0_lan_is_flagged_with_the_fix(tmp_path):
+    """MLX's --auto-setup puts the cables on the LAN's 192.168.0.x: the kernel still routes
+    each peer by its cable (longest prefix), but the LAN's hosts there (the router at .1)
+    are cut off: doctor names the overlap and --fix moves the cables off the LAN."""
     dirs, nodes = macs(SCENES["mesh4_lan192"], tmp_path)
-    checks, *_ = doctor(dirs, nodes, 0)
-    assert checks["cable en2"].detail == (
-        "192.168.0.1/30 to studio-1's en2 at 192.168.0.2, routed by en2"
+    checks, ran, *_ = doctor(dirs, nodes, 0, "--fix")
+    assert checks["cable en2"].status == "FAIL"
+    assert checks["cable en2"].detail.startswith(
+        "studio-0's en2 (192.168.0.0/30) overlaps en0 (192.168.0.0/24): a cable's subnet must "
+        "be clear of every other network the Mac is on; studio-1's en2 (192.168.0.0/30) "
+        "overlaps en0 (192.168.0.0/24)"
     )
+    assert "sudo ifconfig en2 inet 192.168.1.14 netmask 255.255.255.252" in checks["cable en2"].fix
+    moved = [c[4] for c in ran if c[1] == "ifconfig" and c[3] == "inet"]
+    assert moved == ["192.168.1.2", "192.168.1.14", "192.168.1.21"]
 
 
 # ---- each failure, its status and its fix --------------------------------------------------
@@ -139,6 +148,7 @@ def test_rdma_disabled(tmp_path):
         "RDMA enabled": "FAIL",
         "Thunderbolt Bridge": "PASS",
         "RDMA devices": "SKIP",
+        "RDMA links": "SKIP",
         "cable en2": "PASS",
         "jaccl backend": "FAIL",
         "GPU wired limit": "PASS",
@@ -254,13 +264,16 @@ def test_a_cable_subnet_that_routes_by_the_lan(tmp_path):
     end = checks["cable en2"]
     assert (end.status, end.detail) == (
         "FAIL",
-        "on studio-0, 192.168.0.2 leaves by en0 (192.168.0.0/24), not by the cable en2; "
-        "on studio-1, 192.168.0.1 leaves by en0 (192.168.0.0/24), not by the cable en2",
+        "studio-0's en2 (192.168.0.0/24) overlaps en0 (192.168.0.0/24): a cable's subnet must "
+        "be clear of every other network the Mac is on; studio-1's en2 (192.168.0.0/24) "
+        "overlaps en0 (192.168.0.0/24): a cable's subnet must be clear of every other network "
+        "the Mac is on",
     )
-    # Node-id order mac1 ("4-") then mac0 ("7-"): Mac 0 takes the cable's .2.
+    # Node-id order mac1 ("4-") then mac0 ("7-"): Mac 0 takes the cable's .2, of the first
+    # /30 clear of the LAN.
     assert ran == [
-        ("sudo", "ifconfig", "en2", "inet", "192.168.0.2", "netmask", "255.255.255.252"),
-        ("sudo", "route", "change", "192.168.0.1", "-interface", "en2"),
+        ("sudo", "ifconfig", "en2", "inet", "192.168.1.2", "netmask", "255.255.255.252"),
+        ("sudo", "route", "change", "192.168.1.1", "-interface", "en2"),
     ]
     assert code == 0
 

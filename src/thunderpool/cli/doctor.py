@@ -23,7 +23,7 @@ from thunderpool.cluster.node.doctor_fix import (
     interactive_runner,
     left_to_a_person,
 )
-from thunderpool.cluster.node.doctor_rdma import GB
+from thunderpool.cluster.node.doctor_gpu import GB
 
 
 def _peer_arg(text: str) -> str:

@@ -29,7 +29,12 @@ def add_node_parser(sub) -> None:
         "cluster, run ranks for the coordinator",
     )
     p.add_argument("--host", default="0.0.0.0", help="address to bind (default all)")
-    p.add_argument("--advertise", help="address peers should use (default: first interface)")
+    p.add_argument(
+        "--advertise",
+        help="address peers should use (default: --host, else the address of the interface "
+        "the default route leaves by, else the first Ethernet or Wi-Fi one; never a "
+        "Thunderbolt cable's)",
+    )
     p.add_argument(
         "--port",
         type=int,
@@ -91,6 +96,7 @@ def node_main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from thunderpool.cluster.node.capabilities import node_info
+    from thunderpool.cluster.node.thunderbolt import own_address
     from thunderpool.models.source import resolve_model
 
     err = Console(stderr=True)
@@ -105,11 +111,9 @@ def node_main(args: argparse.Namespace) -> int:
         args.port, identity.node_id, measure=not args.no_measure, host=host_override(args)
     )
     address = args.advertise or (
-        args.host
-        if args.host != "0.0.0.0"
-        else next((i.address for i in info.interfaces), "127.0.0.1")
+        args.host if args.host != "0.0.0.0" else own_address(info) or "127.0.0.1"
     )
-    probe = ProbeServer(args.host, args.port + 1).start()
+    probe = ProbeServer(args.host, args.port + 1, (identity.node_id, identity.token)).start()
     ranks = RankManager(
         resolve_model=lambda m: resolve_model(m, progress=False), link_token=identity.token
     )

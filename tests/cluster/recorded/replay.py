@@ -12,6 +12,8 @@ FILES = {
     ("sw_vers", "-productVersion"): "sw_vers.txt",
     ("rdma_ctl", "status"): "rdma_ctl_status.txt",
     ("ibv_devices",): "ibv_devices.txt",
+    ("ibv_devinfo",): "ibv_devinfo.txt",
+    ("netstat", "-rn", "-f", "inet"): "netstat_rn.txt",
     ("system_profiler", "SPThunderboltDataType"): "system_profiler_thunderbolt.txt",
     ("networksetup", "-listallnetworkservices"): "networksetup_listallnetworkservices.txt",
     ("networksetup", "-listallhardwareports"): "networksetup_listallhardwareports.txt",

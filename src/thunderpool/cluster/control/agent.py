@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import struct
 import threading
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ from thunderpool.cluster.control.messages import (
     StartRanks,
     StopInstance,
 )
-from thunderpool.cluster.control.probe import measure
+from thunderpool.cluster.control.probe import identify, measure
 from thunderpool.cluster.control.ranks import RankManager
 from thunderpool.cluster.control.state import ClusterState, apply
 from thunderpool.cluster.node.thunderbolt import route
@@ -190,12 +191,15 @@ def create_agent_app(agent: Agent) -> FastAPI:
     @app.post("/v1/reach")
     def reach(body: bytes = Depends(signed)):
         # Whether this node can open a TCP connection to address:port (a jaccl coordinator's
-        # address must be routable from every rank's node), and from which local address.
+        # address must be routable from every rank's node), from which local address, and
+        # which node answered there (its probe server proves its id with the cluster token):
+        # two Macs holding one address both accept a connect.
         req = ProbeRequest.model_validate_json(body)
         try:
             with socket.create_connection((req.address, req.port), timeout=REACH_TIMEOUT_S) as s:
-                return {"via": s.getsockname()[0]}
-        except OSError as e:
+                s.settimeout(REACH_TIMEOUT_S)
+                return {"via": s.getsockname()[0], "node": identify(s, agent.identity.token)}
+        except (OSError, struct.error) as e:
             raise HTTPException(502, f"cannot reach {req.address}:{req.port}: {e}") from None
 
     @app.post("/v1/start")

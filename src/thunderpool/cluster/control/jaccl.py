@@ -21,6 +21,18 @@ from thunderpool.cluster.node.thunderbolt import RdmaPlan, coordinator_candidate
 from thunderpool.errors import LaunchError
 
 
+def _wrong_answerer(state: ClusterState, leader: str, asker: str, answered: str, address: str):
+    def name(n: str) -> str:
+        return f"{state.nodes[n].name} ({n})" if n in state.nodes else f"node {n}"
+
+    return (
+        f"{address} is {name(leader)}'s (rank 0), but from {name(asker)} it is "
+        f"{name(answered)} that answers there: two machines hold {address}, likely a "
+        "Thunderbolt cable numbered into the LAN; run `thunderpool doctor --fix` on every Mac "
+        "(it moves each cable's /30 clear of every network), then launch again"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class JacclConfig:
     devices: list  # MLX_IBV_DEVICES
@@ -56,32 +68,41 @@ def jaccl_config(state: ClusterState, order: list[str], port: int) -> JacclConfi
     return JacclConfig(plan.devices, plan.ring, tuple(candidates), port)
 
 
-Reach = Callable[[str, str, int], bool]  # (node, address, port) -> whether node connects
+# (node, address, port) -> the id of the node that answered there, from `node`; None: no answer.
+Reach = Callable[[str, str, int], str | None]
 
 
 def agents_reach(state: ClusterState, token: str) -> Reach:
-    """Ask each node's agent to open a connection (its `/v1/reach`)."""
+    """Ask each node's agent to connect (its `/v1/reach`) and say which node answered: the
+    probe server there proves its node id with the cluster token."""
 
-    def reach(node: str, address: str, port: int) -> bool:
+    def reach(node: str, address: str, port: int) -> str | None:
         req = ProbeRequest(peer=node, address=address, port=port)
         try:
-            AgentClient(state.contacts[node], token).call("POST", "/v1/reach", req, timeout=5)
-            return True
+            reply = AgentClient(state.contacts[node], token).call(
+                "POST", "/v1/reach", req, timeout=5
+            )
         except AgentError:
-            return False
+            return None
+        return str(reply.get("node") or "") or None
 
     return reach
 
 
 def pick_coordinator(state: ClusterState, order: list[str], cfg: JacclConfig, reach: Reach) -> str:
-    """The first of rank 0's candidate addresses that every other rank's node connects to
-    (rank 0's agent probe port stands in for the coordinator's), as host:port."""
+    """The first of rank 0's candidate addresses at which every other rank's node reaches
+    rank 0's node (its agent's probe port stands in for the coordinator's), as host:port. An
+    address where another node answers is two Macs holding one address: a LaunchError naming
+    both, never a coordinator some ranks would find on the wrong Mac."""
     leader = state.nodes[order[0]]
     others = sorted(set(order[1:]))
     for address in cfg.candidates:
         with ThreadPoolExecutor(len(others)) as pool:
-            ok = list(pool.map(lambda n, a=address: reach(n, a, leader.port + 1), others))
-        if all(ok):
+            seen = list(pool.map(lambda n, a=address: reach(n, a, leader.port + 1), others))
+        for node, answered in zip(others, seen, strict=True):
+            if answered not in (None, leader.node_id):
+                raise LaunchError(_wrong_answerer(state, leader.node_id, node, answered, address))
+        if all(answered == leader.node_id for answered in seen):
             return f"{address}:{cfg.port}"
     names = ", ".join(state.nodes[n].name for n in others)
     raise LaunchError(

@@ -33,6 +33,15 @@ class ThunderboltPort(Wire):
     iface: str  # its network interface, e.g. "en3" for hardware port "Thunderbolt 3"
     uuid: str  # its domain UUID
     connected_to: str | None = None  # the domain UUID of the Mac port cabled to it
+    speed_gbps: int | None = None  # a cabled port's link speed (80: TB5, 40: TB4); None: unread
+
+
+class Route(Wire):
+    """One IPv4 route of a node: `destination` as a network ("0.0.0.0/0": the default)."""
+
+    destination: str
+    interface: str
+    gateway: str = ""
 
 
 class NodeInfo(Wire):
@@ -70,6 +79,9 @@ class NodeInfo(Wire):
     rdma: bool = False
     interfaces: tuple[Interface, ...] = ()
     rdma_devices: tuple[str, ...] = ()  # what `ibv_devices` lists, up or not
+    # Those whose port `ibv_devinfo` shows PORT_ACTIVE; None: not read (every listed one counts).
+    rdma_active: tuple[str, ...] | None = None
+    routes: tuple[Route, ...] = ()  # IPv4 routes (cable subnets must stay clear of them)
     thunderbolt: tuple[ThunderboltPort, ...] = ()  # a Mac's ports and what they are cabled to
     # The agent's clock (ns) at start and whenever its network facts change (a cable plugged,
     # `doctor --fix` addressing it): a peer's older copy never overwrites a newer self-report.

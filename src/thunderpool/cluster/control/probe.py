@@ -1,14 +1,19 @@
 """Link probes: round-trip latency and bandwidth between two agents, over a plain TCP port.
 
 Frames are a 4-byte big-endian length, then a 1-byte op and the payload: op E echoes the
-payload back (latency), op S swallows it and answers 8 bytes (bandwidth). A frame over
+payload back (latency), op S swallows it and answers 8 bytes (bandwidth), op I answers which
+node this is: its node id and an HMAC of the asker's nonce and that id under the cluster token,
+so an asker knows which node holds an address, not only that one does. A frame over
 MAX_FRAME, with an unknown op, or cut short is refused with one log line and its connection
 closed; the server keeps serving others.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import secrets
 import socket
 import socketserver
 import statistics
@@ -34,7 +39,7 @@ class _Handler(socketserver.BaseRequestHandler):
                     )
                     return
                 n, op = struct.unpack(">IB", head)
-                if n > MAX_FRAME or op not in (ord("E"), ord("S")):
+                if n > MAX_FRAME or op not in (ord("E"), ord("S"), ord("I")):
                     log.warning("probe: refused a frame (length %d, op %d) from %s", n, op, peer)
                     return
                 payload = _recv_upto(sock, n)
@@ -46,7 +51,14 @@ class _Handler(socketserver.BaseRequestHandler):
                         peer,
                     )
                     return
-                reply = payload if op == ord("E") else struct.pack(">Q", n)
+                if op == ord("I"):
+                    who = self.server.identity
+                    if who is None or n > NONCE_MAX:
+                        log.warning("probe: refused an identity request from %s", peer)
+                        return
+                    reply = f"{who[0]} {_sign(who[1], payload, who[0])}".encode()
+                else:
+                    reply = payload if op == ord("E") else struct.pack(">Q", n)
                 sock.sendall(struct.pack(">I", len(reply)) + reply)
         except OSError as e:
             log.warning("probe: dropped %s: %s", peer, e)
@@ -56,7 +68,8 @@ class ProbeServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, host: str, port: int):
+    def __init__(self, host: str, port: int, identity: tuple[str, str] | None = None):
+        self.identity = identity  # (node id, cluster token): answers op I
         super().__init__((host, port), _Handler)
 
     def start(self) -> ProbeServer:
@@ -82,6 +95,28 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 def _frame(op: str, payload: bytes) -> bytes:
     return struct.pack(">IB", len(payload), ord(op)) + payload
+
+
+NONCE_MAX = 64
+
+
+def _sign(token: str, nonce: bytes, node_id: str) -> str:
+    return hmac.new(
+        token.encode(), b"probe-identity\n" + nonce + node_id.encode(), hashlib.sha256
+    ).hexdigest()
+
+
+def identify(sock: socket.socket, token: str) -> str:
+    """The node id of the ProbeServer at the other end of `sock`, proven by its HMAC of a fresh
+    nonce under `token`; ConnectionError if it does not answer, or not with this cluster's."""
+    nonce = secrets.token_hex(16).encode()
+    sock.sendall(_frame("I", nonce))
+    head = _recv_exact(sock, 4)
+    body = _recv_exact(sock, struct.unpack(">I", head)[0]) if head else None
+    node_id, _, mac = (body or b"").decode(errors="replace").partition(" ")
+    if not node_id or not hmac.compare_digest(mac, _sign(token, nonce, node_id)):
+        raise ConnectionError("the node that answered is not one of this cluster's (wrong token)")
+    return node_id
 
 
 def measure(

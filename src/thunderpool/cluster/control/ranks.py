@@ -2,8 +2,8 @@
 
 Ranks run in their own sessions and die with the agent on every OS: each instance has its own
 lifeline (launch/lifeline.py), closed when it stops or the agent dies; Linux's
-PR_SET_PDEATHSIG too. Their `TPEV` events are buffered per instance so the coordinator can
-fetch them in order.
+PR_SET_PDEATHSIG too. On macOS they start by posix_spawn, not fork (cluster/control/spawn.py).
+Their `TPEV` events are buffered per instance so the coordinator can fetch them in order.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from thunderpool.cluster.control.messages import RankSpec
+from thunderpool.cluster.control.spawn import Spawned, spawn
 from thunderpool.config import LINK_TOKEN_ENV
 from thunderpool.engine.job import EVENT_PREFIX, RankJob
 from thunderpool.launch.blas import fast_blas_env
@@ -39,7 +40,7 @@ log = logging.getLogger("thunderpool.agent")
 @dataclass
 class _Rank:
     rank: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | Spawned
     stderr: deque = field(default_factory=lambda: deque(maxlen=20))
 
 
@@ -196,9 +197,16 @@ class RankManager:
             self.stop(iid)
 
 
+# macOS: posix_spawn, never a fork of this threaded, Metal-loaded agent (cluster/control/spawn.py);
+# the lifeline alone ties ranks to us there. Linux forks to set PDEATHSIG and pin a core first.
+POSIX_SPAWN = sys.platform == "darwin"
+
+
 def _spawn(
     argv: list[str], env: dict[str, str], cpu: int | None, fds: tuple[int, ...]
-) -> subprocess.Popen:
+) -> subprocess.Popen | Spawned:
+    if POSIX_SPAWN:
+        return spawn(argv, env, fds)
     return subprocess.Popen(
         argv,
         env=env,

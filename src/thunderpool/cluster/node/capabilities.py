@@ -21,13 +21,16 @@ from thunderpool.cluster.node.facts import (
     backends,
     cgroup_memory,
     linux_interfaces,
+    linux_routes,
     macos_interfaces,
     parse_cpuinfo,
     parse_hardware_ports,
     parse_ibv_devices,
+    parse_ibv_devinfo,
     parse_macos_version,
     parse_meminfo,
     parse_memsize,
+    parse_netstat_routes,
     parse_platform_uuid,
     parse_rdma_ctl,
     parse_vm_stat,
@@ -44,6 +47,7 @@ from thunderpool.cluster.node.thunderbolt import parse_thunderbolt
 from thunderpool.cores import work_cores
 
 Runner = Callable[[Sequence[str]], tuple[int, str]]
+NETSTAT = ("netstat", "-rn", "-f", "inet")  # macOS's IPv4 routing table
 
 
 def subprocess_runner(argv: Sequence[str]) -> tuple[int, str]:
@@ -117,6 +121,7 @@ def node_info(
     exist so tests can replay another machine's recorded outputs; `host` overrides host_id."""
     system = system or platform.system()
     rdma_devices: tuple[str, ...] = ()
+    rdma_active: tuple[str, ...] | None = None
     thunderbolt: tuple[ThunderboltPort, ...] = ()
     gpu = None
     rdma_enabled = False
@@ -132,6 +137,11 @@ def node_info(
         available = min(available, gpu.bytes) if gpu else available
         rdma_enabled = parse_rdma_ctl(_output(run, "rdma_ctl", "status"))
         rdma_devices = parse_ibv_devices(_output(run, "ibv_devices"))
+        ports_state = _output(run, "ibv_devinfo")
+        if ports_state is not None:  # a port listed by ibv_devices may be down (no live cable)
+            states = parse_ibv_devinfo(ports_state)
+            rdma_active = tuple(d for d, (s, _) in states.items() if s == "PORT_ACTIVE")
+        routes = parse_netstat_routes(_output(run, *NETSTAT))
         ports = parse_hardware_ports(_output(run, "networksetup", "-listallhardwareports") or "")
         interfaces = macos_interfaces(_output(run, "ifconfig") or "", ports, rdma_devices)
         thunderbolt = parse_thunderbolt(
@@ -145,6 +155,7 @@ def node_info(
         interfaces = linux_interfaces(
             _output(run, "ip", "-j", "addr") or "[]", root / "sys/class/net"
         )
+        routes = linux_routes(_output(run, "ip", "-j", "-4", "route"))
     rdma = macos is not None and macos >= RDMA_MIN_MACOS and rdma_enabled
     speeds = _speeds(available) if measure else {}
     has_mpirun = run(("mpirun", "--version"))[0] == 0
@@ -167,6 +178,8 @@ def node_info(
         rdma=rdma,
         interfaces=interfaces,
         rdma_devices=rdma_devices,
+        rdma_active=rdma_active,
+        routes=routes,
         thunderbolt=thunderbolt,
         gpu_wired_limit_bytes=gpu.wired_limit_bytes if gpu else 0,
         memory_budget=gpu.describe() if gpu else "",

@@ -16,13 +16,14 @@ from thunderpool import __version__
 from thunderpool.cluster.control.messages import NodeInfo
 from thunderpool.cluster.node.capabilities import Runner, node_info
 from thunderpool.cluster.node.checks import Check, Status
+from thunderpool.cluster.node.doctor_gpu import check_wired_limit
 from thunderpool.cluster.node.doctor_rdma import (
     check_cable_ends,
     check_cable_plan,
     check_host_ids,
     check_jaccl,
     check_mesh,
-    check_wired_limit,
+    check_rdma_links,
     cluster_nodes,
 )
 from thunderpool.cluster.node.facts import (
@@ -31,6 +32,7 @@ from thunderpool.cluster.node.facts import (
     parse_ifconfig,
     parse_macos_version,
     parse_rdma_ctl,
+    parse_thunderbolt_text,
     version_text,
 )
 from thunderpool.cluster.node.probes import (
@@ -41,6 +43,7 @@ from thunderpool.cluster.node.probes import (
     try_bind,
     try_connect,
 )
+from thunderpool.cluster.node.thunderbolt import TB5_GBPS
 from thunderpool.config import blas_choice
 from thunderpool.engine.blas import kind_of
 from thunderpool.launch.blas import INSTALL
@@ -87,38 +90,21 @@ def check_rdma(version: tuple[int, ...] | None, code: int, out: str) -> Check:
     return Check(name, "FAIL", f"`rdma_ctl status`: {said}", RECOVERY)
 
 
-def parse_thunderbolt_ports(text: str) -> list[tuple[bool, int]]:
-    """`system_profiler SPThunderboltDataType` -> (device connected, Gb/s) for each port of
-    this Mac; a connected device's "Port (Upstream)" is the same link seen from the far end."""
-    ports: list[tuple[bool, int]] = []
-    host_port = connected = False
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith("Port"):
-            host_port = line == "Port:"
-        elif line.startswith("Status:"):
-            connected = line.split(":", 1)[1].strip().lower() == "device connected"
-        speed = re.match(r"Speed: Up to (\d+) Gb/s", line)
-        if speed and host_port:
-            ports.append((connected, int(speed.group(1))))
-    return ports
-
-
 def check_thunderbolt(code: int, out: str) -> Check:
     name = "Thunderbolt 5"
     tb5_fix = (
         "connect the Macs with Thunderbolt 5 ports and TB5 cables (80 Gb/s); Thunderbolt 4 "
         "works, but at half the bandwidth and without RDMA"
     )
-    ports = parse_thunderbolt_ports(out) if code == 0 else []
+    ports = parse_thunderbolt_text(out) if code == 0 else []
     if not ports:
         return Check(name, "WARN", "no Thunderbolt ports found by system_profiler", tb5_fix)
-    links = [gbps for connected, gbps in ports if connected]
+    links = [gbps for connected, gbps, _ in ports if connected]
     if not links:
-        fastest = max(gbps for _, gbps in ports)
+        fastest = max(gbps for _, gbps, _ in ports)
         detail = f"no Thunderbolt device connected (ports up to {fastest} Gb/s)"
         return Check(name, "WARN", detail, tb5_fix)
-    slow = [gbps for gbps in links if gbps < 80]
+    slow = [gbps for gbps in links if gbps < TB5_GBPS]
     speeds = ", ".join(f"{gbps} Gb/s" for gbps in links)
     if slow:
         return Check(name, "WARN", f"Thunderbolt 4 link(s): {speeds}", tb5_fix)
@@ -342,6 +328,7 @@ def run_checks(
             check_thunderbolt(*run(("system_profiler", "SPThunderboltDataType"))),
             check_bridge(run(("networksetup", "-listallnetworkservices")), run(("ifconfig",))),
             check_ibv(version, rdma, *run(("ibv_devices",))),
+            check_rdma_links(local, *run(("ibv_devinfo",))),
             *check_cable_ends(local, peer_infos),
         ]
     else:

@@ -7,9 +7,10 @@ node's fresh report with its peers' NodeInfo from their agents): every pair of M
 host id. Pure functions over NodeInfo and command output; a check whose fix is a command
 carries it, for `doctor --fix` (cluster/node/doctor_fix.py).
 
-Cable addresses are MLX's per-cable /30s (thunderbolt.cable_addresses) with the nodes in one
-order every node computes alike, by node id: each Mac applies its own cable ends and the two
-ends of every cable agree without a central step.
+Cable addresses are MLX's per-cable /30s (thunderbolt.cable_addresses), skipping every /30 that
+overlaps a network or route of any node, with the nodes in one order every node computes alike,
+by node id: each Mac applies its own cable ends and the two ends of every cable agree without a
+central step.
 """
 
 from __future__ import annotations
@@ -21,11 +22,19 @@ from collections.abc import Sequence
 from thunderpool import __version__
 from thunderpool.cluster.control.messages import Interface, NodeInfo
 from thunderpool.cluster.node.checks import Check
-from thunderpool.cluster.node.thunderbolt import Cable, cable_addresses, cables, network, route
+from thunderpool.cluster.node.facts import parse_ibv_devinfo
+from thunderpool.cluster.node.thunderbolt import (
+    TB5_GBPS,
+    Cable,
+    Network,
+    cable_addresses,
+    cables,
+    network,
+    route,
+    route_network,
+    taken_networks,
+)
 
-MiB = 2**20
-GB = 10**9
-OS_RESERVE_BYTES = 8 * GB  # what the planner's presets keep for macOS (os_reserve_gb)
 NETMASK = "255.255.255.252"  # the per-cable /30 MLX assigns (thunderbolt.CABLE_PREFIX)
 FIX_HERE = "`thunderpool doctor --fix`"
 STALE = (
@@ -48,6 +57,38 @@ def check_jaccl(available: bool | None, mlx_version: str | None) -> Check:
         return Check(name, "PASS", "mx.distributed.is_available('jaccl') is True")
     detail = f"mx.distributed.is_available('jaccl') is False (mlx {mlx_version})"
     return Check(name, "FAIL", detail, f"{upgrade}; with RDMA enabled (see 'RDMA enabled')")
+
+
+def check_rdma_links(local: NodeInfo, code: int, out: str) -> Check:
+    """Each cabled Thunderbolt port's RDMA device, as `ibv_devinfo` and system_profiler see
+    it: macOS lists an rdma_enX for every port, so only a PORT_ACTIVE port on a Thunderbolt 5
+    link carries jaccl; the planner uses no other (thunderbolt.live_rdma)."""
+    name = "RDMA links"
+    cabled = [p for p in local.thunderbolt if p.connected_to]
+    if not cabled or not local.rdma_devices:
+        return Check(name, "SKIP", "no cabled Thunderbolt port with an RDMA device")
+    if code != 0:
+        fix = "run `ibv_devinfo` by hand; it ships with macOS 26.2 beside `ibv_devices`"
+        return Check(name, "WARN", f"cannot read `ibv_devinfo` (exit code {code})", fix)
+    states = parse_ibv_devinfo(out)
+    bad, good = [], []
+    for port in cabled:
+        device = f"rdma_{port.iface}"
+        state, mtu = states.get(device, ("not listed", None))
+        if port.speed_gbps is not None and port.speed_gbps < TB5_GBPS:
+            bad.append(f"{device} is a Thunderbolt 4 link ({port.speed_gbps} Gb/s)")
+        elif state != "PORT_ACTIVE":
+            bad.append(f"{device} is {state}")
+        else:
+            good.append(f"{device} PORT_ACTIVE" + (f" (MTU {mtu})" if mtu else ""))
+    if bad:
+        fix = (
+            "RDMA needs a Thunderbolt 5 cable straight between two TB5 ports (no dock or hub): "
+            "reseat or replace the cable named, then check `ibv_devinfo` shows PORT_ACTIVE; "
+            "until then ranks over that link run ring over TCP"
+        )
+        return Check(name, "FAIL", "; ".join(bad), fix)
+    return Check(name, "PASS", ", ".join(good))
 
 
 # ---- cable addresses ------------------------------------------------------------------------
@@ -75,6 +116,27 @@ def _far_ends(x: Interface, net: ipaddress.IPv4Network | ipaddress.IPv6Network) 
     return [str(h) for h in dict.fromkeys(hosts) if str(h) != x.address]
 
 
+def clashes(node: NodeInfo, net: Network, own: set[str]) -> list[str]:
+    """`node`'s interfaces and routes (but those by the interfaces `own`, and default routes)
+    whose network overlaps `net`, each named, e.g. "en0 (192.168.0.0/24)"."""
+    found, attached = [], set()
+    for x in node.interfaces:
+        theirs = network(x)
+        if x.name not in own and theirs is not None and theirs.version == net.version:
+            attached.add((x.name, theirs))
+            if theirs.overlaps(net):
+                found.append(f"{x.name} ({theirs})")
+    for r in node.routes:
+        theirs = route_network(r)
+        if r.interface in own or theirs is None or theirs.prefixlen == 0:
+            continue
+        if any(i == r.interface and theirs.subnet_of(n) for i, n in attached):
+            continue  # within the interface's own network (its hosts), named above
+        if theirs.version == net.version and theirs.overlaps(net):
+            found.append(f"its route to {theirs} by {r.interface}")
+    return list(dict.fromkeys(found))
+
+
 def end_problem(node: NodeInfo, iface: str, peer_ip: str | None) -> str | None:
     """Why `node`'s cable end `iface` does not carry traffic to the Mac at the other end (at
     `peer_ip`; None: unknown, then the other end of its /30), or None: it does."""
@@ -85,15 +147,16 @@ def end_problem(node: NodeInfo, iface: str, peer_ip: str | None) -> str | None:
     if net is None:
         return f"{node.name}'s {iface} has {mine[0].address} without a netmask"
     cabled = {p.iface for p in node.thunderbolt if p.connected_to}
-    for other in node.interfaces:
-        theirs = network(other)
-        if other.name not in cabled - {iface} or theirs is None or theirs.version != net.version:
-            continue
-        if theirs.overlaps(net):
-            return (
-                f"{node.name}'s {iface} ({net}) and {other.name} ({theirs}) share a subnet: "
-                "each cable needs its own"
-            )
+    others = [c for c in clashes(node, net, {iface}) if c.split()[0] in cabled]
+    if others:
+        share = f"{node.name}'s {iface} ({net}) and {others[0]} share a subnet"
+        return f"{share}: each cable needs its own"
+    lan = clashes(node, net, cabled)
+    if lan:
+        return (
+            f"{node.name}'s {iface} ({net}) overlaps {', '.join(lan)}: a cable's subnet must "
+            "be clear of every other network the Mac is on"
+        )
     if peer_ip is not None and ipaddress.ip_address(peer_ip) not in net:
         return f"the far end's {peer_ip} is not on {node.name}'s {iface} subnet {net}"
     for target in [peer_ip] if peer_ip else _far_ends(mine[0], net):
@@ -116,12 +179,23 @@ def _peer_end(nodes: Sequence[NodeInfo], me: int, iface: str) -> tuple[Cable, in
 
 def cable_problems(nodes: Sequence[NodeInfo], c: Cable, first: int | None = None) -> list[str]:
     """What stops cable `c`, seen from both its ends (the same from every node); node
-    `first`'s end is named first."""
+    `first`'s end is named first. A cable whose subnet overlaps a network another node is on
+    fails too: the plan that renumbers it keeps clear of every node's networks."""
     a_ips, b_ips = _ipv4(nodes[c.i], c.a), _ipv4(nodes[c.j], c.b)
     found = [
         end_problem(nodes[c.i], c.a, b_ips[0].address if b_ips else None),
         end_problem(nodes[c.j], c.b, a_ips[0].address if a_ips else None),
     ]
+    net = network(a_ips[0]) if a_ips else None
+    if net is not None and not any(found):
+        everyone = cables(nodes)
+        for k, node in enumerate(nodes):
+            own = {c.a if c.i == k else c.b for c in everyone if k in (c.i, c.j)}
+            if k not in (c.i, c.j) and (theirs := clashes(node, net, own)):
+                found.append(
+                    f"{nodes[c.i].name}:{c.a}-{nodes[c.j].name}:{c.b} ({net}) overlaps "
+                    f"{node.name}'s {', '.join(theirs)}"
+                )
     return [p for p in (found[::-1] if first == c.j else found) if p]
 
 
@@ -138,7 +212,7 @@ def planned_ends(nodes: Sequence[NodeInfo], me: int) -> list[tuple[str, str, str
     """Node `me`'s cable ends as (iface, address, the far end's address), in the order MLX's
     setup walks them (by peer, then cable), with the nodes numbered as `nodes` are."""
     found = cables(nodes)
-    addresses = cable_addresses(found)
+    addresses = cable_addresses(found, taken_networks(nodes, found))
     ends = []
     for j in range(len(nodes)):
         for c in found:
@@ -225,7 +299,10 @@ def check_cable_plan(local: NodeInfo, peers: Sequence[NodeInfo]) -> Check:
         fix = f"this Mac's ends are set; run {FIX_HERE} on the other Macs; {STALE}"
         return Check(name, "FAIL", detail, fix)
     here = "; ".join(" ".join(cmd) for cmd in commands_for(todo))
-    fix = f"{FIX_HERE} on every Mac (MLX's per-cable /30s, nodes in node-id order); here: {here}"
+    fix = (
+        f"{FIX_HERE} on every Mac (MLX's per-cable /30s clear of every node's networks, nodes "
+        f"in node-id order); here: {here}"
+    )
     return Check(name, "FAIL", detail, fix, commands_for(todo))
 
 
@@ -310,56 +387,3 @@ def check_host_ids(nodes: Sequence[NodeInfo]) -> Check:
         "restart `thunderpool node --host-id NAME` on each with a name of its own"
     )
     return Check(name, "FAIL", detail, fix)
-
-
-# ---- GPU wired limit ------------------------------------------------------------------------
-
-
-def gb(size: int) -> str:
-    return f"{size / GB:.0f} GB"
-
-
-def default_working_set(memory: int) -> int:
-    """macOS's default GPU wired limit, Metal's recommended working set, where MLX cannot be
-    asked: about 2/3 of memory up to 36 GB, 3/4 above."""
-    return memory * 2 // 3 if memory <= 36 * 2**30 else memory * 3 // 4
-
-
-def check_wired_limit(
-    code: int, out: str, memory: int, shard: int | None, working_set: int | None
-) -> Check:
-    """`sysctl -n iogpu.wired_limit_mb` (0: Metal's default) against the shard this Mac holds:
-    `shard` bytes (`doctor --shard-gb`), else the largest the planner may put here (memory
-    less the OS reserve). `working_set`: Metal's recommended working set, None: estimated."""
-    name = "GPU wired limit"
-    target = (memory - OS_RESERVE_BYTES) // MiB  # sysctl counts whole MiB
-    room = target * MiB
-    command = ("sudo", "sysctl", f"iogpu.wired_limit_mb={target}")
-    if code != 0 or not out.strip().isdigit():
-        return Check(
-            name, "WARN", "cannot read `sysctl -n iogpu.wired_limit_mb`", " ".join(command)
-        )
-    limit_mb = int(out.strip())
-    if limit_mb == 0:
-        wired = working_set or default_working_set(memory)
-        how = "Metal's recommended working set" if working_set else "Metal's default, estimated"
-        have = f"iogpu.wired_limit_mb is 0: {how}, ≈ {gb(wired)} of {gb(memory)}"
-    else:
-        wired = limit_mb * MiB
-        have = f"iogpu.wired_limit_mb is {limit_mb} ({gb(wired)} of {gb(memory)})"
-    if shard is not None and shard > room:
-        reserve = gb(OS_RESERVE_BYTES)
-        detail = f"a {gb(shard)} shard does not fit {gb(memory)} less the {reserve} OS reserve"
-        return Check(name, "FAIL", detail, "plan more nodes or a smaller model")
-    need = shard if shard is not None else room
-    what = (
-        f"the {gb(shard)} shard (--shard-gb)"
-        if shard is not None
-        else f"a shard of up to {gb(room)} (memory less the {gb(OS_RESERVE_BYTES)} OS reserve; "
-        "--shard-gb checks the planned one)"
-    )
-    if wired >= need:
-        return Check(name, "PASS", f"{have}: covers {what}")
-    fix = f"{' '.join(command)} (until the next restart; `thunderpool doctor --fix` runs it)"
-    status = "FAIL" if shard is not None else "WARN"
-    return Check(name, status, f"{have}: below {what}", fix, (command,))

@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from thunderpool.cluster.control.messages import Interface, LinkKind
+from thunderpool.cluster.control.messages import Interface, LinkKind, Route
 
 # jaccl (RDMA over Thunderbolt) ships with macOS 26.2.
 RDMA_MIN_MACOS = (26, 2)
@@ -114,6 +114,83 @@ def parse_ibv_devices(text: str | None) -> tuple[str, ...]:
         if fields and fields[0] not in ("device", "------"):
             devices.append(fields[0])
     return tuple(devices)
+
+
+def parse_ibv_devinfo(text: str | None) -> dict[str, tuple[str, int | None]]:
+    """`ibv_devinfo` -> {device: (its port's state, active MTU)}, e.g. {"rdma_en2":
+    ("PORT_ACTIVE", 1024)}; one port per device, as macOS has (the first port counts)."""
+    found: dict[str, tuple[str, int | None]] = {}
+    device = None
+    for line in (text or "").splitlines():
+        key, _, value = line.strip().partition(":")
+        value = value.strip()
+        if key == "hca_id":
+            device = value
+        elif device and key == "state" and device not in found:
+            found[device] = (value.split()[0] if value else "", None)
+        elif device and key == "active_mtu" and device in found and found[device][1] is None:
+            mtu = value.split()[0] if value else ""
+            found[device] = (found[device][0], int(mtu) if mtu.isdigit() else None)
+    return found
+
+
+def parse_thunderbolt_text(text: str) -> list[tuple[bool, int, bool]]:
+    """`system_profiler SPThunderboltDataType` -> (device connected, Gb/s, whether that is the
+    live link's speed) for each port of this Mac. A connected port prints its link's speed
+    ("Speed: 80 Gb/s"), an idle one what it could do ("Speed: Up to 120 Gb/s"); a connected
+    device's "Port (Upstream)" is the same link seen from the far end and is skipped."""
+    ports: list[tuple[bool, int, bool]] = []
+    host_port = connected = False
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("Port"):
+            host_port = line == "Port:"
+        elif line.startswith("Status:"):
+            connected = line.split(":", 1)[1].strip().lower() == "device connected"
+        speed = re.match(r"Speed: (Up to )?(\d+) Gb/s", line)
+        if speed and host_port:
+            ports.append((connected, int(speed.group(2)), speed.group(1) is None))
+    return ports
+
+
+def _netstat_network(text: str) -> str | None:
+    """netstat's destination -> a network: "default" is 0.0.0.0/0; "192.168.0" (octets left
+    out) is 192.168.0.0/24; "10.8/16" keeps its prefix; a full address is a host (/32)."""
+    if text == "default":
+        return "0.0.0.0/0"
+    head, _, prefix = text.partition("/")
+    octets = head.split(".")
+    if not all(o.isdigit() for o in octets) or len(octets) > 4:
+        return None  # IPv6 or a link-layer name
+    bits = prefix if prefix.isdigit() else str(8 * len(octets))
+    return ".".join([*octets, *["0"] * (4 - len(octets))]) + f"/{bits}"
+
+
+def parse_netstat_routes(text: str | None) -> tuple[Route, ...]:
+    """macOS `netstat -rn -f inet` -> the IPv4 routes (destination, interface, gateway)."""
+    found = []
+    for line in (text or "").splitlines():
+        fields = line.split()
+        if len(fields) < 4 or fields[0] == "Destination":
+            continue
+        network = _netstat_network(fields[0])
+        if network is not None:
+            gateway = "" if fields[1].startswith("link#") or ":" in fields[1] else fields[1]
+            found.append(Route(destination=network, interface=fields[3], gateway=gateway))
+    return tuple(found)
+
+
+def linux_routes(ip_json: str | None) -> tuple[Route, ...]:
+    """`ip -j -4 route` -> the IPv4 routes (the main table)."""
+    found = []
+    for r in json.loads(ip_json or "[]"):
+        dst = r.get("dst", "")
+        network = "0.0.0.0/0" if dst == "default" else dst if "/" in dst else f"{dst}/32"
+        if r.get("dev") and dst:
+            found.append(
+                Route(destination=network, interface=r["dev"], gateway=r.get("gateway", ""))
+            )
+    return tuple(found)
 
 
 def backends(

@@ -3,8 +3,9 @@
 macOS wires GPU memory only up to a limit: Metal's recommended working set
 (`mx.metal.device_info()["max_recommended_working_set_size"]`, about 2/3 to 3/4 of RAM), or
 `sysctl iogpu.wired_limit_mb` where the user raised it (0: not set). A Mac node's budget for
-weights, KV and activations is that limit less OS_RESERVE_BYTES (other GPU clients: the window
-server, the rank's own buffers in flight), and never more than its RAM less the same. Ranks
+weights, KV and activations is that limit, and never more than its RAM less OS_RESERVE_BYTES,
+the one reserve macOS keeps: `doctor` checks a shard against it and `doctor --fix` raises the
+limit to RAM less it, so the planner's budget, doctor's room and --fix's limit agree. Ranks
 raise MLX's wired limit to the recommended working set once their shard is loaded, as mlx-lm's
 `generate.wired_limit` does, so the shard stays resident instead of being paged.
 The inputs are passed in (a device_info dict, sysctl's text) so recorded Macs replay here.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-OS_RESERVE_BYTES = 2 * 2**30
+OS_RESERVE_BYTES = 8 * 10**9  # RAM macOS keeps (window server, apps, buffers in flight)
 WIRED_LIMIT = ("sysctl", "-n", "iogpu.wired_limit_mb")
 RAISE_HINT = "sudo sysctl iogpu.wired_limit_mb=<MB>"
 MiB = 2**20
@@ -31,7 +32,7 @@ class Budget:
     def describe(self, gb: float = 1e9) -> str:
         return (
             f"{self.bytes / gb:.1f} GB: Metal wires {self.wired_limit_bytes / gb:.1f} GB "
-            f"({self.source}) less {OS_RESERVE_BYTES / gb:.1f} GB for macOS"
+            f"({self.source}), at most RAM less {OS_RESERVE_BYTES / gb:.1f} GB for macOS"
         )
 
 
@@ -52,7 +53,7 @@ def budget(total_bytes: int, device_info: dict | None, wired_limit_mb: str | Non
         limit, source = raised, "iogpu.wired_limit_mb"
     else:
         limit, source = recommended or total_bytes, "recommended working set"
-    usable = max(0, min(limit, total_bytes) - OS_RESERVE_BYTES)
+    usable = max(0, min(limit, total_bytes - OS_RESERVE_BYTES))
     return Budget(usable, limit, source)
 
 

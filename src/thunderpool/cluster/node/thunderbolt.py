@@ -16,10 +16,21 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from thunderpool.cluster.control.messages import Interface, NodeInfo, ThunderboltPort
+from thunderpool.cluster.control.messages import Interface, NodeInfo, Route, ThunderboltPort
 
 # The per-cable networks mlx.distributed_config assigns: 192.168.<a>.<b+1|b+2>/30, b in steps of 4.
 CABLE_PREFIX = 30
+CABLE_SPACE = "192.168.0.0/16"  # where MLX numbers them from; we skip what a node is on
+TB5_GBPS = 80  # RDMA runs over Thunderbolt 5 links only (MLX's docs)
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def _link_speed(text: str | None) -> int | None:
+    """A connected port's "80 Gb/s" -> 80; an idle port's "Up to 120 Gb/s" is no link."""
+    if not text or text.startswith("Up to"):
+        return None
+    head = text.split()[0]
+    return int(head) if head.isdigit() else None
 
 
 def parse_thunderbolt(text: str | None, ports: dict[str, str]) -> tuple[ThunderboltPort, ...]:
@@ -42,8 +53,14 @@ def parse_thunderbolt(text: str | None, ports: dict[str, str]) -> tuple[Thunderb
         peers = [
             item["domain_uuid_key"] for item in bus.get("_items", []) if "domain_uuid_key" in item
         ]
+        speed = _link_speed((bus.get("receptacle_1_tag") or {}).get("current_speed_key"))
         found.append(
-            ThunderboltPort(iface=iface, uuid=uuid, connected_to=peers[0] if peers else None)
+            ThunderboltPort(
+                iface=iface,
+                uuid=uuid,
+                connected_to=peers[0] if peers else None,
+                speed_gbps=speed if peers else None,
+            )
         )
     return tuple(sorted(found, key=lambda p: p.iface))
 
@@ -85,21 +102,74 @@ def ends(found: Sequence[Cable], i: int, j: int) -> list[str]:
     return [c.a if c.i == i else c.b for c in found if {c.i, c.j} == {i, j}]
 
 
-def cable_addresses(found: Sequence[Cable]) -> dict[tuple[int, str], str]:
-    """(node, interface) -> the IPv4 address mlx.distributed_config gives that cable end:
-    the k-th cable's /30 is 192.168.(4k // 256).(4k % 256), node i takes .1, node j .2."""
-    out = {}
-    for k, c in enumerate(found):
-        base = 4 * k
-        if base // 256 > 255:
-            raise ValueError(f"{len(found)} cables: more than 192.168.0.0/16 holds in /30s")
-        net = f"192.168.{base // 256}.{base % 256}"
-        out[(c.i, c.a)] = str(ipaddress.ip_address(net) + 1)
-        out[(c.j, c.b)] = str(ipaddress.ip_address(net) + 2)
+def cable_addresses(
+    found: Sequence[Cable], taken: Sequence[Network] = (), space: str = CABLE_SPACE
+) -> dict[tuple[int, str], str]:
+    """(node, interface) -> the IPv4 address of that cable end: the k-th cable takes the k-th
+    /30 of `space` that overlaps no network in `taken`, node i its first host, node j its
+    second. With nothing taken this is mlx.distributed_config's numbering (192.168.0.4k/30);
+    a LAN on 192.168.0.0/24 pushes the cables past it, where MLX would put them on it."""
+    out: dict[tuple[int, str], str] = {}
+    nets = ipaddress.ip_network(space).subnets(new_prefix=CABLE_PREFIX)
+    for c in found:
+        net = next((n for n in nets if not any(n.overlaps(t) for t in taken)), None)
+        if net is None:
+            raise ValueError(
+                f"{len(found)} cables do not fit {space} in /30s clear of the nodes' networks "
+                f"({', '.join(map(str, taken))}); free part of {space}"
+            )
+        out[(c.i, c.a)] = str(net.network_address + 1)
+        out[(c.j, c.b)] = str(net.network_address + 2)
     return out
 
 
-def network(iface: Interface) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
+def route_network(r: Route) -> Network | None:
+    try:
+        return ipaddress.ip_network(r.destination, strict=False)
+    except ValueError:
+        return None
+
+
+def taken_networks(nodes: Sequence[NodeInfo], found: Sequence[Cable]) -> list[Network]:
+    """Every IPv4 network any of `nodes` is on or routes to, but for the cable ends `found`
+    (their addresses are the plan's to give) and default routes (they hold everything)."""
+    ends = {(c.i, c.a) for c in found} | {(c.j, c.b) for c in found}
+    taken: list[Network] = []
+    for n, node in enumerate(nodes):
+        for x in node.interfaces:
+            net = network(x)
+            if (n, x.name) not in ends and net is not None and net.version == 4:
+                taken.append(net)
+        for r in node.routes:
+            net = route_network(r)
+            if (n, r.interface) not in ends and net is not None and net.prefixlen > 0:
+                taken.append(net)
+    # Loopback and multicast routes never meet a private range; kept out of messages.
+    taken = [t for t in taken if not (t.is_loopback or t.is_multicast)]
+    return sorted(set(taken), key=lambda t: (t.network_address, t.prefixlen))
+
+
+def default_interface(routes: Sequence[Route]) -> str | None:
+    """The interface this node's default route leaves by (the first, as the kernel picks)."""
+    return next((r.interface for r in routes if r.destination == "0.0.0.0/0"), None)
+
+
+def own_address(node: NodeInfo) -> str | None:
+    """The address peers should reach this node at: the IPv4 address of the interface its
+    default route leaves by, else its first LAN (Ethernet, Wi-Fi) address; never a cable's,
+    which only the Mac at the cable's other end reaches. None: no such address."""
+    cabled = {p.iface for p in node.thunderbolt if p.connected_to}
+    v4 = [x for x in node.interfaces if "." in x.address and not x.address.startswith("127.")]
+    out = default_interface(node.routes)
+    for x in v4:
+        if x.name == out and x.name not in cabled:
+            return x.address
+    lan = [x for x in v4 if x.kind in ("ethernet", "wifi") and x.name not in cabled]
+    rest = [x for x in v4 if x.name not in cabled and x.kind not in ("rdma", "thunderbolt")]
+    return next((x.address for x in [*lan, *rest]), None)
+
+
+def network(iface: Interface) -> Network | None:
     if iface.prefix is None:
         return None
     return ipaddress.ip_network(f"{iface.address}/{iface.prefix}", strict=False)
@@ -146,7 +216,17 @@ def _cabled_ends(nodes: Sequence[NodeInfo], i: int, j: int, found: list[Cable]) 
     # jaccl pairs the two ends by their addresses (as mlx.distributed_config sets them up):
     # an end without an IPv4 address is not usable yet (`doctor --fix` gives it one).
     addressed = {x.name for x in nodes[i].interfaces if "." in x.address}
-    return [n for n in mine if f"rdma_{n}" in nodes[i].rdma_devices and n in addressed]
+    return [n for n in mine if live_rdma(nodes[i], n) and n in addressed]
+
+
+def live_rdma(node: NodeInfo, iface: str) -> bool:
+    """Whether `iface` carries RDMA now: macOS lists an rdma_enX for every Thunderbolt port,
+    cabled or not, so its port must be PORT_ACTIVE (where ibv_devinfo was read) and its link
+    Thunderbolt 5 (where system_profiler says the speed)."""
+    device = f"rdma_{iface}"
+    active = node.rdma_active if node.rdma_active is not None else node.rdma_devices
+    speed = next((p.speed_gbps for p in node.thunderbolt if p.iface == iface), None)
+    return device in node.rdma_devices and device in active and (speed or TB5_GBPS) >= TB5_GBPS
 
 
 def rdma_plan(nodes: Sequence[NodeInfo]) -> RdmaPlan | str:
