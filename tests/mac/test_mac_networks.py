@@ -229,3 +229,47 @@ def test_a_rank_started_by_posix_spawn_keeps_its_session_output_and_lifeline(tmp
             os.kill(proc.pid, 9)
     done = spawn([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ))
     assert done.wait(30) == 3 and done.stdout.read() == ""
+
+
+# ---- ring order --------------------------------------------------------------------------------
+
+
+def test_the_planner_orders_a_cabled_ring_of_four_as_mlx_finds_it(tmp_path):
+    """ring4 (0-1-2-3-0, no diagonals), the nodes listed 0, 2, 1, 3: the planner's TP over all
+    four puts the ranks along the ring, the ring MLX's own extract_rings finds, so jaccl runs
+    in ring mode; in the listed order it could not."""
+    from mlx._distributed_utils.config import extract_rings
+
+    from thunderpool.cluster.control.coordinator import node_specs
+    from thunderpool.cluster.control.messages import LinkMeasured
+    from thunderpool.cluster.control.state import apply
+    from thunderpool.planner.placement import place
+    from thunderpool.planner.simulate import load_model
+
+    scene = SCENES["ring4"]
+    nodes = our_nodes(write(scene, tmp_path))
+    listed = [nodes[m] for m in (0, 2, 1, 3)]
+    state = state_of(listed)
+    cabled = {frozenset((a, b)) for a, _, b, _ in scene.wires}
+    for i in range(4):
+        for j in range(i + 1, 4):
+            rdma = frozenset((i, j)) in cabled
+            state = apply(
+                state,
+                LinkMeasured(
+                    a=f"mac{i}", b=f"mac{j}", a_address="x", b_address="y",
+                    rtt_s=20e-6 if rdma else 400e-6, bandwidth_Bps=8e9 if rdma else 1e9,
+                    link="rdma" if rdma else "ethernet",
+                ),
+            )  # fmt: skip
+    listed_ids = [n.node_id for n in listed]
+    assert jaccl_config(state, listed_ids, 1) is None  # 0-2 is no cable
+    plans = place(load_model("llama-3.3-70b:q4"), *node_specs(state))
+    tp4 = next(p for p in plans if p.kind == "tp" and len(p.nodes) == 4)
+    assert tp4.nodes[0] == "mac0"
+    connectivity = [[int(frozenset((i, j)) in cabled) for j in range(4)] for i in range(4)]
+    (mlx_ring, _), *_ = extract_rings(connectivity)
+    ring = [int(x[3:]) for x in tp4.nodes]
+    assert ring in (mlx_ring, [mlx_ring[0], *mlx_ring[:0:-1]])  # either way round
+    cfg = jaccl_config(state, list(tp4.nodes), 1)
+    assert cfg is not None and cfg.ring and cfg.env()["MLX_JACCL_RING"] == "1"

@@ -26,6 +26,21 @@ def _linked(links: list[LinkSpec], group: tuple[str, ...]) -> bool:
     return all(link_between(links, a, b) for a, b in itertools.combinations(group, 2))
 
 
+def along_ring(group: tuple[str, ...], links: list[LinkSpec]) -> tuple[str, ...]:
+    """`group` reordered so each node is RDMA-linked to the next and the last to the first,
+    from group[0] on, where its RDMA links form such a ring but not a full mesh: jaccl's ring
+    mode runs only with the ranks in ring order (a cabled ring of 4 Macs). Else unchanged."""
+    rdma = [x for x in links if x.kind == "rdma"]
+    if len(group) < 4 or len(group) > 9 or _linked(rdma, group):
+        return group
+    pairs = {frozenset((x.a, x.b)) for x in rdma}
+    for rest in itertools.permutations(group[1:]):
+        order = (group[0], *rest)
+        if all(frozenset((order[k - 1], order[k])) in pairs for k in range(len(order))):
+            return order
+    return group
+
+
 # Without RDMA, links this many times faster than the slowest join an island (TP inside it):
 # e.g. 10 GbE pairs joined by 1 GbE, or a Mac pair over Thunderbolt beside a Linux box.
 ISLAND_RATIO = 4.0

@@ -35,6 +35,7 @@ from thunderpool.planner.groups import (
     _orderings,
     _rdma_groups,
     _reason,
+    along_ring,
 )
 from thunderpool.planner.hardware import link_between
 from thunderpool.planner.spec import ModelSpec
@@ -302,8 +303,9 @@ def _candidates(spec, nodes, links, needs):
     for n in names:
         yield "single", (Stage((n,), full, (1.0,)),)
     for size in range(2, len(names) + 1):
-        for group in itertools.combinations(names, size):
-            if _linked(links, group):
+        for linked in itertools.combinations(names, size):
+            if _linked(links, linked):
+                group = along_ring(linked, links)  # jaccl's ring mode needs ring order
                 weights = tuple(by_name[n].mem_bw_Bps for n in group)
                 yield "tp", (Stage(group, full, weights),)
                 if spec.experts and size <= spec.experts:
