@@ -216,8 +216,9 @@ def create_agent_app(agent: Agent) -> FastAPI:
     @app.post("/v1/stop")
     def stop(body: bytes = Depends(signed)):
         msg = StopInstance.model_validate_json(body)
-        agent.ranks.stop(msg.instance_id)
-        return {"stopped": msg.instance_id}
+        # Answered once every process of its ranks is gone (or named: the kernel kept it).
+        alive = agent.ranks.stop(msg.instance_id)
+        return {"stopped": msg.instance_id, "alive": alive}
 
     add_weight_routes(app, agent.weights, signed)
     return app

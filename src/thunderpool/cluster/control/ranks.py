@@ -4,6 +4,8 @@ Ranks run in their own sessions and die with the agent on every OS: each instanc
 lifeline (launch/lifeline.py), closed when it stops or the agent dies; Linux's
 PR_SET_PDEATHSIG too. On macOS they start by posix_spawn, not fork (cluster/control/spawn.py).
 Their `TPEV` events are buffered per instance so the coordinator can fetch them in order.
+An instance ends only once no process of its ranks' groups is left: one left holding an RDMA
+device makes the next jaccl start on this Mac fail with EBUSY.
 """
 
 from __future__ import annotations
@@ -172,24 +174,30 @@ class RankManager:
         }
         return {"events": events, "exits": exits, "errors": errors, "known": True}
 
-    def stop(self, instance_id: str, grace: float = 2.0) -> None:
+    def stop(self, instance_id: str, grace: float = 2.0) -> list[int]:
+        """End an instance: SIGTERM, then SIGKILL, to each rank's whole process group (a child
+        a rank started holds its RDMA devices too, crashed rank or not), and wait until no
+        process of those groups is left. Returns the pids still alive after that: none, unless
+        the kernel cannot kill them (then they may hold RDMA devices: `thunderpool doctor`)."""
         inst = self.instances.pop(instance_id, None)
         if inst is None:
-            return
-        procs = [r.proc for r in inst.ranks.values()]
-        for p in procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            return []
+        procs = [r.proc for r in inst.ranks.values()]  # each leads its own session and group
+        _signal_groups(procs, signal.SIGTERM)
+        if left := _wait_groups(procs, grace):
+            _signal_groups(left, signal.SIGKILL)
+            left = _wait_groups(left, KILL_WAIT_S)
+        alive = [pid for p in left for pid in group_members(p.pid)]
+        if alive:
+            log.error(
+                "instance %s: processes %s of its ranks outlived SIGKILL; they may hold RDMA "
+                "devices (`thunderpool doctor` names them)",
+                instance_id,
+                alive,
+            )
         inst.lifeline.close()
         inst.tmp.cleanup()
+        return alive
 
     def stop_all(self) -> None:
         self._closed.set()
@@ -218,6 +226,52 @@ def _spawn(
         start_new_session=True,
         preexec_fn=lambda: child_setup(cpu),
     )
+
+
+KILL_WAIT_S = 5.0  # after SIGKILL, how long a group may take to be gone
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group `pgid` (a zombie has freed everything it held).
+    Linux reads /proc; elsewhere (launchd reaps orphans at once) the group's existence."""
+    if sys.platform != "linux":
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return []
+        except PermissionError:
+            pass
+        return [pgid]
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            found.append(int(entry))
+    return found
+
+
+def _signal_groups(procs: list, sig: int) -> None:
+    # A reaped rank whose group is empty is skipped: its pid may belong to another process now.
+    for p in procs:
+        if p.poll() is not None and not group_members(p.pid):
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, sig)
+
+
+def _wait_groups(procs: list, timeout: float) -> list:
+    """Reap each rank and wait for its group to empty; the ranks whose group did not in time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for p in procs:
+            p.poll()  # reaps the rank itself, so only its group's other processes count
+        left = [p for p in procs if p.poll() is None or group_members(p.pid)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.02)
 
 
 def _last_error(lines: deque) -> str:
