@@ -19,7 +19,12 @@ from thunderpool.cluster.control.coordinator import (
     ring_hostfile,
     ring_port_base,
 )
-from thunderpool.cluster.control.jaccl import agents_reach, jaccl_config, pick_coordinator
+from thunderpool.cluster.control.jaccl import (
+    agents_reach,
+    explain_rank_error,
+    jaccl_config,
+    pick_coordinator,
+)
 from thunderpool.cluster.control.messages import (
     NodeInfo,
     RankSpec,
@@ -222,8 +227,9 @@ class ClusterInstance:
                     continue  # a node lost now: the failures already seen say enough
             failed = list({f[0]: f for f in failed}.values())
         rank, code, node, cause = min(failed, key=lambda f: (f[1] >= 0, f[0]))
+        name = self._name(node)
         return LaunchError(
-            f"rank {rank} on {self._name(node)} exited with code {code}: {cause}; "
+            f"rank {rank} on {name} exited with code {code}: {explain_rank_error(cause, name)}; "
             f"stopped all {len(self.order)} ranks"
         )
 

@@ -9,7 +9,9 @@ checked from every rank's node before launch.
 
 from __future__ import annotations
 
+import errno
 import json
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +32,22 @@ def _wrong_answerer(state: ClusterState, leader: str, asker: str, answered: str,
         f"{name(answered)} that answers there: two machines hold {address}, likely a "
         "Thunderbolt cable numbered into the LAN; run `thunderpool doctor --fix` on every Mac "
         "(it moves each cable's /30 clear of every network), then launch again"
+    )
+
+
+# jaccl's errors carry the errno ("[jaccl] Changing queue pair to RTR failed with errno 16");
+# EBUSY there means an RDMA device of that Mac is still held, often by a rank of an earlier run.
+_HELD = re.compile(rf"\[jaccl\].*(errno\W*{errno.EBUSY}\b|EBUSY|resource busy)", re.I)
+
+
+def explain_rank_error(cause: str, node: str) -> str:
+    """A rank's last error as the launch error says it: jaccl's EBUSY points to the fix."""
+    if not _HELD.search(cause):
+        return cause
+    return (
+        f"{cause} (EBUSY: an RDMA device on {node} is still held, most often by a process left "
+        f"from an earlier run; run `thunderpool doctor` on {node}: it names the process holding "
+        "it and the fix)"
     )
 
 
