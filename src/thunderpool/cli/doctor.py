@@ -98,7 +98,8 @@ def add_doctor_parser(subparsers) -> None:
         help="on macOS, run (with sudo, each printed first) the fixes that are commands: "
         "Thunderbolt Bridge off, each cable end's /30 address and route (as "
         "`mlx.distributed_config --auto-setup` sets them; run it on every Mac, with "
-        "`thunderpool node` running on each), the GPU wired limit",
+        "`thunderpool node` running on each), the GPU wired limit, and a kill of any "
+        "leftover rank whose agent is gone that still holds an RDMA device",
     )
 
 

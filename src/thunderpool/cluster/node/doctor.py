@@ -17,6 +17,7 @@ from thunderpool.cluster.control.messages import NodeInfo
 from thunderpool.cluster.node.capabilities import Runner, node_info
 from thunderpool.cluster.node.checks import Check, Status
 from thunderpool.cluster.node.doctor_gpu import check_wired_limit
+from thunderpool.cluster.node.doctor_held import IOREG_RDMA, PS_ALL, check_rdma_held
 from thunderpool.cluster.node.doctor_rdma import (
     check_cable_ends,
     check_cable_plan,
@@ -329,6 +330,7 @@ def run_checks(
             check_bridge(run(("networksetup", "-listallnetworkservices")), run(("ifconfig",))),
             check_ibv(version, rdma, *run(("ibv_devices",))),
             check_rdma_links(local, *run(("ibv_devinfo",))),
+            check_rdma_held(run(IOREG_RDMA), run(PS_ALL)),
             *check_cable_ends(local, peer_infos),
         ]
     else:

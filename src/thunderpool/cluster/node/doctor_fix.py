@@ -3,7 +3,8 @@ each printed before it runs, so a user never types `ifconfig` by hand.
 
 Only checks that did not pass and whose fix is a command take part (cluster/node/checks.py):
 the Thunderbolt Bridge down, every cable end of this Mac on its /30 with its peer routed
-by the cable (what `mlx.distributed_config --auto-setup` runs), the GPU wired limit. The
+by the cable (what `mlx.distributed_config --auto-setup` runs), the GPU wired limit, and
+`kill -9` of a leftover rank still holding an RDMA device (cluster/node/doctor_held.py). The
 commands are macOS's; on any other system --fix runs nothing and says so.
 """
 
