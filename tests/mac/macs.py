@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mac_rdma_use import Holder, ioreg_rdma, ps, rank_command
 from mac_tools import ibv_devinfo, netstat, thunderbolt_text
 
 from thunderpool.cluster.control.messages import ThunderboltPort
@@ -60,6 +61,8 @@ class Scene:
     down: frozenset[int] = frozenset()  # wires whose RDMA ports `ibv_devinfo` shows PORT_DOWN
     wifi: list[tuple[str, int]] = field(default_factory=list)  # each Mac's en1 (Wi-Fi), if on
     cables_first: bool = False  # `ifconfig` lists the Thunderbolt ports before en0
+    holders: tuple[Holder, ...] = ()  # processes holding RDMA devices (tests/mac/mac_rdma_use.py)
+    stale: frozenset[tuple[int, int]] = frozenset()  # (mac, port): queue pairs no process holds
 
     def __post_init__(self) -> None:
         self.lan = self.lan or [(f"192.168.1.{20 + m}", 24) for m in range(self.n)]
@@ -310,6 +313,8 @@ def outputs(scene: Scene, mac: int) -> dict[str, str]:
         "system_profiler_thunderbolt.json": thunderbolt_json(scene, mac),
         "ipconfig_getifaddr_en0.txt": scene.lan[mac][0] + "\n",
         "socketfilterfw.txt": "Firewall is disabled. (State = 0)\n",
+        "ioreg_thunderbolt_ip.plist": ioreg_rdma(scene, mac),
+        "ps_axo.txt": ps(scene, mac),
     }
     if scene.wired_limit_mb is not None:
         found["sysctl_iogpu_wired_limit_mb.txt"] = f"{scene.wired_limit_mb}\n"
@@ -353,6 +358,17 @@ SCENES = {
     "mesh4_lan192": Scene(4, mesh(4), lan=[(f"192.168.0.{100 + m}", 24) for m in range(4)]),
     # Four Macs in a ring (0-1-2-3-0): jaccl's ring mode.
     "ring4": Scene(4, [(0, 1, 1, 1), (1, 2, 2, 1), (2, 2, 3, 1), (3, 2, 0, 2)]),
+    # After a crash: on Mac 0 a rank whose agent is gone still holds rdma_en2; on Mac 1 another
+    # program holds rdma_en2 and rdma_en3 keeps queue pairs no process holds.
+    "pair_leftovers": Scene(
+        2,
+        mesh(2),
+        holders=(
+            Holder(0, 1, 5123, 1, rank_command(0)),
+            Holder(1, 1, 2290, 2214, "/Users/studio/.venv/bin/python3 train_tp.py", "Python", 4),
+        ),
+        stale=frozenset({(1, 2)}),
+    ),
 }
 
 

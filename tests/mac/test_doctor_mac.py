@@ -149,6 +149,7 @@ def test_rdma_disabled(tmp_path):
         "Thunderbolt Bridge": "PASS",
         "RDMA devices": "SKIP",
         "RDMA links": "SKIP",
+        "RDMA in use": "SKIP",
         "cable en2": "PASS",
         "jaccl backend": "FAIL",
         "GPU wired limit": "PASS",

@@ -30,6 +30,8 @@ FILES = {
     ("ipconfig", "getifaddr", "en0"): "ipconfig_getifaddr_en0.txt",
     ("sysctl", "-n", "iogpu.wired_limit_mb"): "sysctl_iogpu_wired_limit_mb.txt",
     ("sysctl", "-n", "hw.perflevel0.physicalcpu"): "sysctl_perflevel0_physicalcpu.txt",
+    ("ioreg", "-a", "-l", "-r", "-c", "AppleThunderboltIPPort"): "ioreg_thunderbolt_ip.plist",
+    ("ps", "-axo", "pid=,ppid=,command="): "ps_axo.txt",
 }
 
 
