@@ -85,7 +85,6 @@ def check_coordinator(rank: int, coordinator: str) -> None:
 def main() -> None:
     recorded, me, table_file, log_file = sys.argv[1:5]
     args = sys.argv[sys.argv.index("--") + 1 :]
-    table = {int(k): v for k, v in json.loads(Path(table_file).read_text()).items()}
     real_info, real_spawn = capabilities.node_info, ranks._spawn
 
     def node_info(*a, **kw):
@@ -96,6 +95,8 @@ def main() -> None:
             devices = json.loads(Path(env.pop("MLX_IBV_DEVICES")).read_text())
             coordinator = env.pop("MLX_JACCL_COORDINATOR")
             rank = int(env["MLX_RANK"])
+            # Read now: `doctor --fix` may have addressed the cables since the agent started.
+            table = {int(k): v for k, v in json.loads(Path(table_file).read_text()).items()}
             addresses = ring_addresses(devices, int(me), rank, table)
             base = int(coordinator.rsplit(":", 1)[1]) + 1
             hostfile = Path(argv[-1]).with_name(f"ring-{rank}.json")
