@@ -234,10 +234,12 @@ def test_a_rank_started_by_posix_spawn_keeps_its_session_output_and_lifeline(tmp
 # ---- ring order --------------------------------------------------------------------------------
 
 
-def test_the_planner_orders_a_cabled_ring_of_four_as_mlx_finds_it(tmp_path):
+@pytest.mark.parametrize("lan_fastest", [False, True], ids=["cables-fastest", "lan-fastest"])
+def test_the_planner_orders_a_cabled_ring_of_four_as_mlx_finds_it(lan_fastest, tmp_path):
     """ring4 (0-1-2-3-0, no diagonals), the nodes listed 0, 2, 1, 3: the planner's TP over all
     four puts the ranks along the ring, the ring MLX's own extract_rings finds, so jaccl runs
-    in ring mode; in the listed order it could not."""
+    in ring mode; in the listed order it could not. So too where every pair's fastest
+    measured TCP path is the LAN: the ranks still run jaccl over the cables."""
     from mlx._distributed_utils.config import extract_rings
 
     from thunderpool.cluster.control.coordinator import node_specs
@@ -253,7 +255,7 @@ def test_the_planner_orders_a_cabled_ring_of_four_as_mlx_finds_it(tmp_path):
     cabled = {frozenset((a, b)) for a, _, b, _ in scene.wires}
     for i in range(4):
         for j in range(i + 1, 4):
-            rdma = frozenset((i, j)) in cabled
+            rdma = frozenset((i, j)) in cabled and not lan_fastest
             state = apply(
                 state,
                 LinkMeasured(

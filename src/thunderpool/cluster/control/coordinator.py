@@ -21,6 +21,7 @@ from thunderpool.cluster.control.messages import (
     ProbeRequest,
 )
 from thunderpool.cluster.control.state import ClusterState, apply
+from thunderpool.cluster.node.thunderbolt import RdmaPlan, rdma_plan
 from thunderpool.errors import ThunderpoolError
 from thunderpool.planner.hardware import LinkSpec, NodeSpec, pins_cores
 from thunderpool.planner.presets import (
@@ -143,18 +144,31 @@ def node_specs(state: ClusterState) -> tuple[list[NodeSpec], list[LinkSpec]]:
         )
         for n in state.nodes.values()
     ]
-    links = [
-        LinkSpec(
-            a=link.a,
-            b=link.b,
-            latency_s=max(link.rtt_s / 2, 1e-7),
-            bandwidth_Bps=max(link.bandwidth_Bps, 1e6),
-            kind=link.link if link.link != "other" else "ethernet",
-            overhead_s=live_collective_overhead_s(link.link),
+    links = []
+    for link in state.links.values():
+        kind = _kind(state, link)
+        links.append(
+            LinkSpec(
+                a=link.a,
+                b=link.b,
+                latency_s=max(link.rtt_s / 2, 1e-7),
+                bandwidth_Bps=max(link.bandwidth_Bps, 1e6),
+                kind=kind,
+                overhead_s=live_collective_overhead_s(kind),
+            )
         )
-        for link in state.links.values()
-    ]
     return nodes, links
+
+
+def _kind(state: ClusterState, link: LinkMeasured) -> str:
+    """The link's kind for the planner: "rdma" wherever the two nodes run jaccl over a live
+    RDMA cable, whichever TCP path measured fastest (their ranks run jaccl, and jaccl's ring
+    mode needs the planner to see every cable of a ring)."""
+    a, b = state.nodes.get(link.a), state.nodes.get(link.b)
+    if a is not None and b is not None and all("jaccl" in n.backends for n in (a, b)):
+        if isinstance(rdma_plan([a, b]), RdmaPlan):
+            return "rdma"
+    return link.link if link.link != "other" else "ethernet"
 
 
 _recent_bases: deque[int] = deque(maxlen=32)
