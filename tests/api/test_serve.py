@@ -266,7 +266,7 @@ def test_requests_cannot_stop_it(served):
 
 def test_vllm_length_controls_match_transformers(server, smollm2_transformers):
     """vLLM's ignore_eos and min_tokens (what guidellm and `vllm bench serve` send) against
-    transformers' model decoding greedily with the same rule, one full forward a token."""
+    transformers' model decoding greedily with the same rule (with its own KV cache)."""
     import torch
     from mlx_lm.utils import load_tokenizer
 
@@ -280,12 +280,15 @@ def test_vllm_length_controls_match_transformers(server, smollm2_transformers):
 
     def greedy(n: int, min_new: int = 0, stop_at_eos: bool = False) -> list[int]:
         out: list[int] = []
+        ids, past = torch.tensor([prompt]), None  # transformers' own KV cache, fp32
         with torch.no_grad():
             for step in range(n):
-                logits = model(torch.tensor([prompt + out])).logits[0, -1]
+                o = model(ids, past_key_values=past, use_cache=True)
+                logits, past = o.logits[0, -1], o.past_key_values
                 if step < min_new:
                     logits[sorted(eos)] = -torch.inf
                 out.append(int(logits.argmax()))
+                ids = torch.tensor([[out[-1]]])
                 if stop_at_eos and out[-1] in eos:
                     break
         return out

@@ -113,6 +113,21 @@ def test_a_step_in_another_thread_than_the_load_equals_eager(family_dirs):
     check(results[0], True)
 
 
+def test_old_shapes_are_traced_again_and_still_equal(family_dirs, monkeypatch):
+    """Only the most recently used shapes keep their compiled graph (each costs MiBs, and a
+    long serve sees hundreds of shapes): with room for one, every change of batch or window
+    shape traces afresh, and every step still equals eager."""
+    monkeypatch.setattr(compiled, "GRAPHS", 1)
+    group = mx.distributed.init()
+    runner, _, _ = load_shard(family_dirs["llama"], group, Layout(compile=True))
+    reference, _, _ = load_shard(family_dirs["llama"], group, Layout(compile=False))
+    check(compare(runner, reference), True)
+    graphs = runner.compiled._graphs
+    assert len(graphs) == 1
+    shapes = 2 + 1 + 2 * len(WINDOWS)  # at least: lone/batch/left decode, each window + step
+    assert runner.compiled.traces >= shapes, runner.compiled.traces
+
+
 def test_fused_weights_are_views_and_unfused_compile_still_equal(family_dirs, monkeypatch):
     """The modules keep views of the fused arrays (one copy in memory); a model the fused
     forward does not take still compiles mlx-lm's own forward, equal to eager."""

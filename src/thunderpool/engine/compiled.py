@@ -15,6 +15,7 @@ test_compiled.py) compile; any other decodes eagerly, never approximately.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -32,6 +33,11 @@ COMPILED_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
 # 5-position verify of a 1B model at 21 positions: 1.27x a plain step, 1.30x with 256); past
 # COARSE_FROM, the rarer retrace and buffer copy pay more than the masked positions cost.
 FINE, COARSE_FROM, STEP = 64, 1024, 256
+# mx.compile keeps every shape's traced graph for the life of the compiled function (about
+# 2 MiB each for a 30-layer model here), and batch size x buffer capacity x window width makes
+# hundreds of shapes over a long serve: RSS grew 250 MiB in a 300 s soak. The most recently
+# used GRAPHS shapes keep their graph; an older one is traced again if it comes back.
+GRAPHS = 32
 
 
 def wanted(requested: bool | None) -> bool:
@@ -150,10 +156,14 @@ class CompiledDecode:
     ):
         # Kept: measure.py traces them afresh.
         self.forward, self.fused, self.window = forward, fused_forward, window
-        self._step = mx.compile(_traced(forward))
-        self._window = mx.compile(_traced(window)) if window is not None else None
+        self._step = _traced(forward)
+        self._window = _traced(window) if window is not None else None
+        # One compiled function per shape: dropping it frees its graph (mx.compile's cache
+        # is per function), which a single function for every shape never would.
+        self._graphs: OrderedDict[tuple, Callable] = OrderedDict()
         self.steps = 0  # compiled steps run (tests and benchmarks read it)
         self.verifies = 0  # compiled verify windows run
+        self.traces = 0  # graphs traced (a shape first seen, or seen again after eviction)
 
     @property
     def windows(self) -> bool:
@@ -170,12 +180,26 @@ class CompiledDecode:
         self.verifies += 1
         return self._run(self._window, tokens, cache)
 
+    def _graph(self, step: Callable, shape: tuple) -> Callable:
+        """The compiled `step` for inputs of this shape: the most recently used GRAPHS kept."""
+        key = (step is self._window, *shape)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = mx.compile(step)
+            self.traces += 1
+            if len(self._graphs) > GRAPHS:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+        return graph
+
     def _run(self, step: Callable, x: mx.array, cache: list) -> mx.array:
         idx, left = _position(cache[0])
         width = x.shape[1]
         for c in cache:
             _reserve(c, idx + width)
         keys, values = [c.keys for c in cache], [c.values for c in cache]
+        step = self._graph(step, (*x.shape, *keys[0].shape, *values[0].shape))
         for c in cache:  # only the graph holds the old buffers: updated in place
             c.keys = c.values = None
         out, *buffers = step(x, mx.array([idx], mx.int32), left, *keys, *values)
