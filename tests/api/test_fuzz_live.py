@@ -23,7 +23,7 @@ HERE = Path(__file__).parent
 MODEL = "SmolLM2-135M-Instruct-f32"
 
 
-PHASES = (("examples,coverage,fuzzing", 50), ("stateful", 20))  # (phases, seconds): each gets
+PHASES = (("examples,coverage,fuzzing", 40), ("stateful", 15))  # (phases, seconds): each gets
 # its own run, so that the stateful phase is reached within the budget
 
 

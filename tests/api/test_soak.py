@@ -27,7 +27,7 @@ from serving import serving
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct-f32"
 CLIENTS = 16
-SOAK_S = float(os.environ.get("THUNDERPOOL_SOAK_S", "45"))  # CI; the note has a 300 s run
+SOAK_S = float(os.environ.get("THUNDERPOOL_SOAK_S", "30"))  # CI; the note has a 300 s run
 WARM_S = 10.0
 REQUEST_TIMEOUT_S = 120.0  # "waits forever", in a test
 MIB_FLAT = 48  # medians moved up to ~26 MiB over 45-300 s here; uncapped graphs: +250
@@ -173,7 +173,7 @@ def test_soak():
             assert time.monotonic() < deadline, "requests still running after the soak"
             time.sleep(0.5)
         rss1 = rss_by_process(served.proc.pid)
-        after_ms = min(step_ms(url) for _ in range(3))  # a leak slows every one of them
+        after_ms = min(step_ms(url) for _ in range(2))  # a leak slows every one of them
         assert served.proc.poll() is None
     failed = [o for o in warm + outcomes if o[1] != "ok"]
     kinds = {k: sum(1 for kk, _ in outcomes if kk == k) for k in {k for k, _ in outcomes}}
