@@ -32,6 +32,7 @@ GiB = 2**30
 GEMMA3 = {"model_type": "gemma3_text"}
 # The table as these tests assume it, whatever the matrix has verified since.
 PINNED = {"llama": ("tp", "pp"), "qwen3": ("tp", "pp"), "qwen3_moe": ("tp", "pp")}
+REAL_VERIFIED, REAL_PROVEN = families.VERIFIED, families.proven  # before `pinned` patches them
 
 
 @pytest.fixture(autouse=True)
@@ -100,6 +101,26 @@ def test_refusal_names_family_layout_and_what_works(pinned):
     assert check_layout(GEMMA3, 3, "tp") is None
     with pytest.raises(UnverifiedLayoutError, match="use --modes tp, or --allow-untested"):
         check_layout(GEMMA3, 2, "pp", flag="--modes")
+
+
+def test_no_refusal_offers_a_layout_that_is_refused(monkeypatch):
+    """Every refused cell of the table: the advice names only layouts verified for that family
+    (a recorded reason's own "use --parallel tp" is cut where TP is refused too)."""
+    import re
+
+    monkeypatch.setattr(families, "VERIFIED", REAL_VERIFIED)
+    monkeypatch.setattr(families, "proven", REAL_PROVEN)
+    table = json.loads(families.PROVEN_JSON.read_text())["families"]
+    for family, row in table.items():
+        for layout, found in row.items():
+            if found == "ok" or layout == "one":
+                continue
+            with pytest.raises(UnverifiedLayoutError) as e:
+                check_layout({"model_type": family}, 2, layout)
+            offered = set(re.findall(r"use --parallel (\w+)", str(e.value)))
+            ok = {lay for lay, v in row.items() if v == "ok"}
+            assert offered <= ok, (family, layout, str(e.value))
+            assert offered or "use --nodes 1" in str(e.value), str(e.value)
 
 
 def test_alias_is_named_as_the_user_wrote_it():

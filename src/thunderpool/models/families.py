@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -41,6 +42,9 @@ MATRIX: dict[str, tuple[str, ...]] = {
 # {family: {layout: "ok" | the one-line reason it is not}}.
 PROVEN_JSON = Path(__file__).with_name("verified.json")
 PROVEN_WORLD = 2  # the ranks each of its layouts ran on
+# A recorded refusal's own advice ("; use --parallel tp ..."), cut where it is quoted: what
+# runs instead is the verified list after it, and the advice may name a refused layout.
+_ADVICE = re.compile(r"[:;,] use --(parallel|nodes) .*$")
 
 
 @cache
@@ -134,7 +138,7 @@ def unverified(family: Family, world: int, layout: str, equal: bool = True) -> s
     elif found == "ok":  # the all-families matrix runs 2 ranks
         why = f": proven on {PROVEN_WORLD} ranks only"
     else:
-        why = f": {found}" if found else ""
+        why = f": {_ADVICE.sub('', found)}" if found else ""
     return (
         f"{family.label} with {layout} on {world} ranks is not verified against the unsharded "
         f"model{why} (verified for {family.name}: {_verified_text(family)})"
