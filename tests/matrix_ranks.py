@@ -55,6 +55,7 @@ def main(spec_path: str, out_path: str, stage: str = "0") -> None:
             layout = replace(job.layout, stage=int(stage), handoff=tuple(spec.get("handoff", ())))
             oneshot.run(job, group, layout, recorder(events), lambda fraction: None)
         gc.collect()  # the next job's shard replaces this one's
+        gc.freeze()  # what outlived it (modules, caches) the next collect need not walk again
         mx.clear_cache()
     rank = sum(groups[: int(stage)]) + group.rank()  # the global rank
     Path(f"{out_path}.{rank}" if rank else out_path).write_text(json.dumps(results))
