@@ -39,8 +39,8 @@ _HEAD_DIM = (
     "hidden_size_per_layer_input",
 )
 _ROPE_DIM = ("qk_rope_head_dim", "rotary_dim", "rope_dim", "rotary_emb_dim")
-_RANK = ("kv_lora_rank", "q_lora_rank", "time_step_rank", "a_low_rank_dim", "v_low_rank_dim",
-         "gate_low_rank_dim", "decay_low_rank_dim", "laurel_rank")
+_RANK = ("kv_lora_rank", "q_lora_rank", "o_lora_rank", "time_step_rank", "a_low_rank_dim",
+         "v_low_rank_dim", "gate_low_rank_dim", "decay_low_rank_dim", "laurel_rank")
 _EXPERTS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 _TOPK = ("num_experts_per_tok", "moe_topk", "moe_top_k", "top_k", "num_experts_per_token",
          "top_k_experts", "n_activated_experts", "num_selected_experts")
