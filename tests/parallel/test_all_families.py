@@ -15,13 +15,15 @@ import mlx_lm
 import pytest
 from all_families import (
     LAYOUTS,
+    STEPS,
     VERIFIED_JSON,
     cell_job,
     compare,
     make_checkpoint,
     preflight_reason,
-    reference,
+    prompts,
 )
+from fast_reference import FullForwards
 from matrix_ranks import run_matrix, trace_result
 from test_family_matrix import Built
 
@@ -40,8 +42,13 @@ def dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def references(dirs):
-    return Built(lambda family: reference(dirs[family]))
+def references(dirs, tmp_path_factory):
+    """Every family's mlx-lm full forward, all in one child on the ranks' fast BLAS, running
+    beside the launch of one rank (the first cell waits for both)."""
+    items = {f: (dirs[f], prompts(), STEPS) for f in TABLE["families"]}
+    refs = FullForwards(items, tmp_path_factory.mktemp("references"))
+    yield refs
+    refs.close()
 
 
 @pytest.fixture(scope="module")
