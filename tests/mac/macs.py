@@ -54,7 +54,8 @@ class Scene:
     lan: list[tuple[str, int]] = field(default_factory=list)
     addresses: dict[tuple[int, str], tuple[str, int]] | None = None  # (mac, iface) -> (ip, /)
     bridge_on: bool = False
-    # Failure knobs (tests/mac/test_doctor_mac.py); the defaults render the scenes above as before.
+    # Failure knobs (tests/mac/test_doctor_mac.py, test_doctor_fix_mac.py); the defaults render
+    # the scenes above as before.
     rdma_off: bool = False  # `rdma_ctl status` says disabled; `ibv_devices` lists nothing
     wired_limit_mb: int | None = None  # `sysctl -n iogpu.wired_limit_mb` (0: Metal's default)
     tb4: frozenset[int] = frozenset()  # wires (by index) that link at 40 Gb/s (a TB4 cable)

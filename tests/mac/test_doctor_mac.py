@@ -1,7 +1,6 @@
 """`thunderpool doctor` on recorded Mac meshes (tests/mac/macs.py scenes): for each thing that
-stops RDMA the exact status and a fix that names the right command and value; `--fix` on every
-Mac of a 3- and 4-Mac mesh assigns MLX's per-cable /30s, both ends of every cable on one /30,
-the same whichever Mac computes them, and the commands MLX's own --auto-setup would run."""
+stops RDMA the exact status and a fix that names the right command and value (`--fix` itself:
+test_doctor_fix_mac.py)."""
 
 from __future__ import annotations
 

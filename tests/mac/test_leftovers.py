@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+from doctor_scenes import FULL_LIMIT, doctor, macs
 from macs import SCENES, Scene, mesh
-from test_doctor_mac import FULL_LIMIT, doctor, macs
 
 from thunderpool.cluster.control import ranks
 from thunderpool.cluster.control.instance import ClusterInstance

@@ -11,9 +11,9 @@ import socket
 import sys
 
 import pytest
+from doctor_scenes import FULL_LIMIT, MEMORY, doctor, macs
 from macs import SCENES, Scene, mesh, write
 from test_conformance import our_nodes, state_of
-from test_doctor_mac import FULL_LIMIT, MEMORY, doctor, macs
 
 from thunderpool.cluster.control.jaccl import jaccl_config
 from thunderpool.cluster.control.messages import Route
