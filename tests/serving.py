@@ -32,17 +32,18 @@ class Served:
 
 
 @contextlib.contextmanager
-def serving(*args: str, ready_s: float = 300) -> Iterator[Served]:
-    """`thunderpool serve ARGS` on a free loopback port, its stderr in a file: yields once
-    /health answers 200, and stops it on exit (Ctrl-C, then SIGKILL after 30 s) unless the
-    test stopped it already."""
+def serving(*args: str, ready_s: float = 300, env: dict | None = None) -> Iterator[Served]:
+    """`thunderpool serve ARGS` on a free loopback port (with `env` added to this process's),
+    its stderr in a file: yields once /health answers 200, and stops it on exit (Ctrl-C, then
+    SIGKILL after 30 s) unless the test stopped it already."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="serve-") as tmp:
         log = Path(tmp) / "serve.log"
         cmd = [sys.executable, "-m", "thunderpool", "serve", *args, "--port", str(port)]
         with log.open("w") as err:
             proc = subprocess.Popen(
-                cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+                cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+                env={**os.environ, **(env or {})},
             )
         served = Served(f"http://127.0.0.1:{port}", proc, log)
         try:

@@ -60,6 +60,20 @@ def decode_ways() -> int | None:
     return int(value)
 
 
+def decode_graphs() -> int | None:
+    """THUNDERPOOL_DECODE_GRAPHS: how many input shapes keep their compiled decode graph
+    (engine/compiled.py); None (unset or "auto") means its default."""
+    value = os.environ.get("THUNDERPOOL_DECODE_GRAPHS", "auto").strip()
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ThunderpoolError(
+            f"THUNDERPOOL_DECODE_GRAPHS={value!r} is not a positive whole number; "
+            "unset it or set it to auto (32) or e.g. 8 (less memory, more retracing)"
+        )
+    return int(value)
+
+
 def kmajor_choice() -> bool | None:
     """THUNDERPOOL_KMAJOR: 1 or 0 forces input-major weights on or off (engine/kmajor.py);
     None (unset or "auto") means on for a CPU rank."""

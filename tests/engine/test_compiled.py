@@ -30,6 +30,7 @@ from families import make_family
 from thunderpool.engine import compiled
 from thunderpool.engine.loader import Layout, load_shard
 from thunderpool.engine.runner import Runner
+from thunderpool.errors import ThunderpoolError
 from thunderpool.launch.local import free_ports
 
 TOL = 1e-5
@@ -117,13 +118,16 @@ def test_old_shapes_are_traced_again_and_still_equal(family_dirs, monkeypatch):
     """Only the most recently used shapes keep their compiled graph (each costs MiBs, and a
     long serve sees hundreds of shapes): with room for one, every change of batch or window
     shape traces afresh, and every step still equals eager."""
-    monkeypatch.setattr(compiled, "GRAPHS", 1)
+    monkeypatch.setenv("THUNDERPOOL_DECODE_GRAPHS", "1")
     group = mx.distributed.init()
     runner, _, _ = load_shard(family_dirs["llama"], group, Layout(compile=True))
     reference, _, _ = load_shard(family_dirs["llama"], group, Layout(compile=False))
     check(compare(runner, reference), True)
-    graphs = runner.compiled._graphs
-    assert len(graphs) == 1
+    assert runner.compiled.limit == 1 and len(runner.compiled._graphs) == 1
+    for bad in ("0", "many"):
+        monkeypatch.setenv("THUNDERPOOL_DECODE_GRAPHS", bad)
+        with pytest.raises(ThunderpoolError, match=f"THUNDERPOOL_DECODE_GRAPHS='{bad}'"):
+            load_shard(family_dirs["llama"], group, Layout(compile=True))
     shapes = 2 + 1 + 2 * len(WINDOWS)  # at least: lone/batch/left decode, each window + step
     assert runner.compiled.traces >= shapes, runner.compiled.traces
 

@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from thunderpool.config import decode_graphs
 from thunderpool.engine import fused
 from thunderpool.parallel.pipeline import PipelineStage
 
@@ -36,7 +37,8 @@ FINE, COARSE_FROM, STEP = 64, 1024, 256
 # mx.compile keeps every shape's traced graph for the life of the compiled function (about
 # 2 MiB each for a 30-layer model here), and batch size x buffer capacity x window width makes
 # hundreds of shapes over a long serve: RSS grew 250 MiB in a 300 s soak. The most recently
-# used GRAPHS shapes keep their graph; an older one is traced again if it comes back.
+# used GRAPHS shapes keep their graph (THUNDERPOOL_DECODE_GRAPHS overrides); an older one is
+# traced again if it comes back (~0.1-0.3 s for that model here).
 GRAPHS = 32
 
 
@@ -161,6 +163,7 @@ class CompiledDecode:
         # One compiled function per shape: dropping it frees its graph (mx.compile's cache
         # is per function), which a single function for every shape never would.
         self._graphs: OrderedDict[tuple, Callable] = OrderedDict()
+        self.limit = decode_graphs() or GRAPHS
         self.steps = 0  # compiled steps run (tests and benchmarks read it)
         self.verifies = 0  # compiled verify windows run
         self.traces = 0  # graphs traced (a shape first seen, or seen again after eviction)
@@ -181,13 +184,13 @@ class CompiledDecode:
         return self._run(self._window, tokens, cache)
 
     def _graph(self, step: Callable, shape: tuple) -> Callable:
-        """The compiled `step` for inputs of this shape: the most recently used GRAPHS kept."""
+        """The compiled `step` for inputs of this shape: the `limit` most recently used kept."""
         key = (step is self._window, *shape)
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._graphs[key] = mx.compile(step)
             self.traces += 1
-            if len(self._graphs) > GRAPHS:
+            if len(self._graphs) > self.limit:
                 self._graphs.popitem(last=False)
         else:
             self._graphs.move_to_end(key)
