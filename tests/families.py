@@ -339,11 +339,7 @@ FAMILIES: dict[str, Family] = {
         },
         pp2=(1, 3),
         pp3=(2, 1, 1),
-        features="fused qkv and gate_up projections",
-        refuses={
-            f"tp{n}": rf"phi3: tensor parallelism \(tp={n}\) cannot split its fused .*parallel pp"
-            for n in (2, 3)
-        },
+        features="fused qkv and gate_up projections (TP: each rank a fused share of its own)",
     ),
     # Gated DeltaNet linear attention on three of four layers, gated full attention on the
     # fourth, routed + shared experts.

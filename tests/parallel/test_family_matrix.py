@@ -61,6 +61,8 @@ TP_METHOD = {
     ("gpt_oss", 2): "mlx-lm",
     ("mixtral", 2): "uneven",  # no shard(): the whole MoE block sums its partial output
     ("mixtral", 3): "uneven",
+    ("phi3", 2): "uneven",  # fused qkv_proj and gate_up_proj: a fused share per rank
+    ("phi3", 3): "uneven",  # 2 KV heads on 3 ranks
     ("qwen3_next", 2): "uneven",  # DeltaNet key heads and gated attention heads, 1 + 1 each
 }
 CELLS = [(kind, layout) for kind in FAMILIES for layout in [*LAYOUTS, "batch"]]

@@ -33,7 +33,7 @@ MATRIX: dict[str, tuple[str, ...]] = {
     "glm4_moe": ("tp", "pp", "ep"),
     "gpt_oss": ("tp", "pp", "ep"),  # TP (and EP's attention) in equal shares only (sinks)
     "mixtral": ("tp", "pp", "ep"),
-    "phi3": ("pp",),  # fused qkv/gate_up projections: TP refused
+    "phi3": ("tp", "pp"),  # TP: a fused qkv/gate_up share per rank (parallel/blocks.py)
     "qwen3_next": ("tp", "pp"),  # TP: whole DeltaNet key heads per rank (linear_attn.py)
 }
 

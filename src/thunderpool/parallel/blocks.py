@@ -18,7 +18,7 @@ import mlx.nn as nn
 from thunderpool.errors import ShardingError
 from thunderpool.parallel.heads import proportional_split
 from thunderpool.parallel.packing import Packing
-from thunderpool.parallel.slicing import packing_of, slice_cols, slice_rows, step_of
+from thunderpool.parallel.slicing import keep_rows, packing_of, slice_cols, slice_rows, step_of
 
 
 class SumAfter(nn.Module):
@@ -60,6 +60,39 @@ def _mlp_refusal(layer: nn.Module) -> str | None:
     if not all(p in mlp for p in ("gate_proj", "up_proj", "down_proj")):
         return f"{type(mlp).__name__} has no gate/up/down projections"
     return None
+
+
+def fused_glu(layer: nn.Module) -> nn.Module | None:
+    """The layer's dense MLP where it fuses gate and up into one gate_up_proj whose two halves
+    its __call__ splits (Phi-3, GLM, GLM-4), or None."""
+    mlp = _mlp_of_or_none(layer)
+    if mlp is None or "gate_up_proj" not in mlp or "down_proj" not in mlp:
+        return None
+    fused, down = _dims(mlp["gate_up_proj"]), _dims(mlp["down_proj"])
+    return mlp if fused and down and fused[0] == 2 * down[1] else None
+
+
+def fused_split(mlp: nn.Module, weights: list[float]) -> list[tuple[int, int]]:
+    """Each rank's channels of a fused gate_up MLP, cut on its down_proj's packing step."""
+    channels, step = _dims(mlp.down_proj)[1], step_of(mlp.down_proj)
+    try:
+        return proportional_split(channels, weights, step)
+    except ShardingError:
+        raise ShardingError(
+            f"tp={len(weights)} with weights {weights} cannot split the fused gate_up MLP's "
+            f"{channels} channels in steps of {step}; use tp of at most {channels // step} in "
+            "equal shares or --parallel pp"
+        ) from None
+
+
+def shard_fused_glu(mlp: nn.Module, weights: list[float], rank: int, group) -> None:
+    """Keep this rank's channels of both halves of gate_up_proj (one fused projection of its
+    own share, still split in two halves by the MLP) and of down_proj's input; sum after."""
+    channels = _dims(mlp.down_proj)[1]
+    a, b = fused_split(mlp, weights)[rank]
+    keep_rows(mlp.gate_up_proj, [(a, b), (channels + a, channels + b)])
+    slice_cols(mlp.down_proj, a, b)
+    mlp.down_proj = SumAfter(mlp.down_proj, group)
 
 
 _SKIP = ("self_attn", "attention", "attn", "mixer", "linear_attn")

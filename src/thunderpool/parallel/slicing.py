@@ -28,6 +28,17 @@ def slice_rows(module: nn.Module, a: int, b: int) -> None:
             module[name] = mx.contiguous(_take(w, axis, a, b))
 
 
+def keep_rows(module: nn.Module, spans: list[tuple[int, int]]) -> None:
+    """Keep the output features of each span [a, b), in order: one rank's share of each part
+    of a fused projection (q|k|v, gate|up), as one projection of its own."""
+    for name in ("weight", "scales", "biases", "bias"):
+        if name in module:
+            w = module[name]
+            axis = w.ndim - 1 if name == "bias" else w.ndim - 2
+            parts = [_take(w, axis, a, b) for a, b in spans]
+            module[name] = mx.contiguous(mx.concatenate(parts, axis=axis))
+
+
 def slice_cols(module: nn.Module, a: int, b: int) -> None:
     """Keep input features [a, b) of a (possibly quantized, possibly per-expert) projection:
     packed words of the weight, groups of the scales (and biases, where the format has them)."""

@@ -4,9 +4,11 @@ Even splits use mlx-lm's own `Model.shard()`. Uneven splits (head counts that do
 speed-weighted shares, more ranks than KV heads) slice the projections here. Column-sliced
 projections all_sum their partial products, so every layer costs two all-reduces.
 
-Families whose layers this module cannot slice (MLA, attention sinks: even splits through
-mlx-lm only; fused projections, linear attention: none) are refused by `check` and `shard`
-with a message naming the family, the layout and what works (tests/parallel/test_families.py).
+A fused qkv_proj keeps each rank's q, k and v rows, a fused gate_up_proj each rank's rows
+of both halves: one fused projection of the rank's own share. Families whose layers this
+module cannot slice (MLA, attention sinks: even splits through mlx-lm only; others: none)
+are refused by `check` and `shard` with a message naming the family, the layer and what
+works (tests/parallel/test_all_families.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from thunderpool.parallel import blocks, linear_attn
 from thunderpool.parallel.blocks import SumAfter, _mlp_of, _mlp_refusal
 from thunderpool.parallel.heads import HeadShare, proportional_split, split_heads
 from thunderpool.parallel.packing import head_unit
-from thunderpool.parallel.slicing import packing_of, slice_cols, slice_rows, step_of
+from thunderpool.parallel.slicing import keep_rows, packing_of, slice_cols, slice_rows, step_of
 from thunderpool.parallel.tp_reading import (
     _even_only,
     _family,
@@ -30,6 +32,7 @@ from thunderpool.parallel.tp_reading import (
     _heads,
     _hidden,
     _structural,
+    qkv_rows,
 )
 
 
@@ -67,20 +70,28 @@ def _head_unit(model: nn.Module) -> int:
 # How families name their head counts: llama/qwen/gemma, mixtral, gpt-oss.
 def shard_attention(attn: nn.Module, share: HeadShare, group: mx.distributed.Group) -> None:
     names = _head_names(attn)
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        if not hasattr(attn, name) or names is None:
-            raise ShardingError(
-                f"attention module {type(attn).__name__} has no '{name}' or head counts; tensor "
-                "parallelism needs standard q/k/v/o projections; use --parallel pp for this model"
-            )
+    rows = qkv_rows(attn) if names is not None and "o_proj" in attn else None
+    if rows is None:
+        raise ShardingError(
+            f"attention module {type(attn).__name__} has no q/k/v (or fused qkv_proj) and "
+            "o_proj projections or head counts we read; use --parallel pp for this model"
+        )
     q_name, kv_name = names
     # Each projection's own rows per head: Qwen3-Next's q_proj carries a gate per head too.
     heads, kv = getattr(attn, q_name), getattr(attn, kv_name)
-    q_dim, o_dim = attn.q_proj.weight.shape[-2] // heads, _o_in(attn) // heads
-    k_dim, v_dim = (attn[p].weight.shape[-2] // kv for p in ("k_proj", "v_proj"))
-    slice_rows(attn.q_proj, share.q0 * q_dim, share.q1 * q_dim)
-    slice_rows(attn.k_proj, share.kv0 * k_dim, share.kv1 * k_dim)
-    slice_rows(attn.v_proj, share.kv0 * v_dim, share.kv1 * v_dim)
+    q_dim, o_dim = rows[0] // heads, _o_in(attn) // heads
+    k_dim, v_dim = rows[1] // kv, rows[2] // kv
+    q, k, v = (share.q0 * q_dim, share.q1 * q_dim), (share.kv0 * k_dim, share.kv1 * k_dim), (
+        share.kv0 * v_dim, share.kv1 * v_dim)
+    if "qkv_proj" in attn:  # one fused projection of this rank's q, k and v rows, in that order
+        k_at, v_at = rows[0], rows[0] + rows[1]
+        keep_rows(attn.qkv_proj, [q, (k_at + k[0], k_at + k[1]), (v_at + v[0], v_at + v[1])])
+        if isinstance(getattr(attn.qkv_proj, "indices", None), list):  # where it splits them
+            attn.qkv_proj.indices = [q[1] - q[0], q[1] - q[0] + k[1] - k[0]]
+    else:
+        slice_rows(attn.q_proj, *q)
+        slice_rows(attn.k_proj, *k)
+        slice_rows(attn.v_proj, *v)
     slice_cols(attn.o_proj, share.q0 * o_dim, share.q1 * o_dim)
     attn.o_proj = SumAfter(attn.o_proj, group)
     for name, value in list(attn.items()):  # per-head parameters: sinks, sink biases
@@ -234,8 +245,10 @@ def check(
     for layer in model.layers:
         if "linear_attn" in layer and "self_attn" not in layer:
             linear_attn.split(layer.linear_attn, weights)
+        if blocks.fused_glu(layer) is not None:
+            blocks.fused_split(blocks.fused_glu(layer), weights)
         if _mlp_refusal(layer) is not None:
-            continue  # blocks.shard_ffn splits it
+            continue  # blocks.shard_ffn (or shard_fused_glu) splits it
         for gate, down, experts in _glus(layer, routed):
             glu_split(gate, down, weights, experts)
 
@@ -292,7 +305,9 @@ def shard(
             shard_attention(layer.self_attn, shares[rank], group)
         else:
             linear_attn.shard(layer.linear_attn, weights, rank, group)
-        if _mlp_refusal(layer) is not None:
+        if (fused := blocks.fused_glu(layer)) is not None:
+            blocks.shard_fused_glu(fused, weights, rank, group)
+        elif _mlp_refusal(layer) is not None:
             blocks.shard_ffn(layer, hidden, weights, rank, group, routed)
         elif "mlp" in layer:
             shard_mlp(layer.mlp, weights, rank, group, routed)

@@ -9,7 +9,7 @@ import mlx.nn as nn
 
 from thunderpool.parallel import blocks, linear_attn
 from thunderpool.parallel.anatomy import anatomy, width
-from thunderpool.parallel.blocks import _mlp_of_or_none, _mlp_refusal
+from thunderpool.parallel.blocks import _mlp_refusal, fused_glu
 
 HEAD_NAMES = (
     ("n_heads", "n_kv_heads"),
@@ -61,12 +61,6 @@ def _structural(model: nn.Module, n: int) -> str | None:
             f"{family}: tensor parallelism (tp={n}) splits attention with q/k/v/o projections; "
             f"layer {odd} ({type(layers[odd]).__name__}: {', '.join(kinds)}) has none"
         )
-    first = next(layer for layer in layers if "self_attn" in layer)
-    if hasattr(first.self_attn, "qkv_proj") or hasattr(_mlp_of_or_none(first), "gate_up_proj"):
-        return (
-            f"{family}: tensor parallelism (tp={n}) cannot split its fused qkv_proj/gate_up_proj "
-            "projections; use --parallel pp (pipeline parallelism) for this model"
-        )
     if _even_only(model) in ("MLA attention", "attention sinks"):
         return None  # mlx-lm's shard() splits these where _even says the shares divide
     counts = sorted({_heads(layer.self_attn) for layer in layers if "self_attn" in layer})
@@ -109,12 +103,15 @@ def _layer_refusal(layer: nn.Module, hidden: int) -> str | None:
         return None if _mlp_refusal(layer) is None or blocks.ffn_child(layer, hidden) else (
             "its feed-forward has no projections to and from the hidden width"
         )
-    missing = [p for p in ("q_proj", "k_proj", "v_proj", "o_proj") if p not in attn]
+    need = ("qkv_proj", "o_proj") if "qkv_proj" in attn else _QKVO
+    missing = [p for p in need if p not in attn]
     if missing or _head_names(attn) is None:
         what = f"no {', '.join(missing)}" if missing else "no head counts we read"
         return f"its attention ({type(attn).__name__}) has {what}"
     heads, kv = _heads(attn)
-    q_rows, k_rows = attn.q_proj.weight.shape[-2], attn.k_proj.weight.shape[-2]
+    if (rows := qkv_rows(attn)) is None:
+        return f"its fused qkv_proj does not read as {heads} query and {kv} KV heads"
+    q_rows, k_rows, _ = rows
     wide = [
         k
         for k, v in attn.items()
@@ -122,13 +119,31 @@ def _layer_refusal(layer: nn.Module, hidden: int) -> str | None:
     ]
     if wide:  # OLMo 2's q_norm and k_norm: a sum over every head's channels
         return f"its {', '.join(wide)} normalises over every head at once (not per head)"
-    other = [k for k, v in attn.items() if k not in _QKVO and blocks.projection(v)]
+    other = [k for k, v in attn.items() if k not in (*_QKVO, "qkv_proj") and blocks.projection(v)]
     if other:  # e.g. a gate on the heads' outputs, which we do not cut with them
         return f"its attention ({type(attn).__name__}) has projections we do not split: {other}"
-    if _mlp_refusal(layer) is None or blocks.ffn_child(layer, hidden) is not None:
+    if _mlp_refusal(layer) is None or fused_glu(layer) or blocks.ffn_child(layer, hidden):
         return None
     why = _mlp_refusal(layer)
     return f"its feed-forward ({why}) has no projections to and from the hidden width"
+
+
+def qkv_rows(attn: nn.Module) -> tuple[int, int, int] | None:
+    """Rows of the query, key and value projections, or of those parts of a fused qkv_proj
+    (q|k|v, in that order, as Phi-3 and AFM split it); None where they do not read as heads."""
+    if "qkv_proj" not in attn:
+        return tuple(attn[p].weight.shape[-2] for p in ("q_proj", "k_proj", "v_proj"))
+    heads, kv = _heads(attn)
+    rows, head_dim = attn.qkv_proj.weight.shape[-2], getattr(attn, "head_dim", 0)
+    if isinstance(indices := getattr(attn.qkv_proj, "indices", None), list) and len(indices) == 2:
+        parts = (indices[0], indices[1] - indices[0], rows - indices[1])  # AFM's FusedLinear
+    elif isinstance(head_dim, int) and head_dim > 0:
+        parts = (heads * head_dim, kv * head_dim, kv * head_dim)
+    else:
+        return None
+    if sum(parts) != rows or parts[0] % heads or parts[1] % kv or parts[2] % kv:
+        return None
+    return parts
 
 
 def _hidden(model: nn.Module) -> int:
