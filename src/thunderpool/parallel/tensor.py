@@ -5,10 +5,11 @@ speed-weighted shares, more ranks than KV heads) slice the projections here. Col
 projections all_sum their partial products, so every layer costs two all-reduces.
 
 A fused qkv_proj keeps each rank's q, k and v rows, a fused gate_up_proj each rank's rows
-of both halves: one fused projection of the rank's own share. Families whose layers this
-module cannot slice (MLA, attention sinks: even splits through mlx-lm only; others: none)
-are refused by `check` and `shard` with a message naming the family, the layer and what
-works (tests/parallel/test_all_families.py).
+of both halves: one fused projection of the rank's own share. Output gates on the heads
+(tp_reading.gate_rows) are cut with the query heads. Families whose layers this module cannot slice
+(MLA, attention sinks: even splits through mlx-lm only; others: none) are refused by `check`
+and `shard` with a message naming the family, the layer and what works
+(tests/parallel/test_all_families.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from thunderpool.parallel.tp_reading import (
     _heads,
     _hidden,
     _structural,
+    gate_rows,
     qkv_rows,
 )
 
@@ -92,6 +94,9 @@ def shard_attention(attn: nn.Module, share: HeadShare, group: mx.distributed.Gro
         slice_rows(attn.q_proj, *q)
         slice_rows(attn.k_proj, *k)
         slice_rows(attn.v_proj, *v)
+    gates = {name: r for name in attn if (r := gate_rows(attn, name)) is not None}
+    for name, r in gates.items():  # output gates: r rows per query head
+        slice_rows(attn[name], share.q0 * r, share.q1 * r)
     slice_cols(attn.o_proj, share.q0 * o_dim, share.q1 * o_dim)
     attn.o_proj = SumAfter(attn.o_proj, group)
     for name, value in list(attn.items()):  # per-head parameters: sinks, sink biases

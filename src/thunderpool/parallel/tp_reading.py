@@ -119,8 +119,12 @@ def _layer_refusal(layer: nn.Module, hidden: int) -> str | None:
     ]
     if wide:  # OLMo 2's q_norm and k_norm: a sum over every head's channels
         return f"its {', '.join(wide)} normalises over every head at once (not per head)"
-    other = [k for k, v in attn.items() if k not in (*_QKVO, "qkv_proj") and blocks.projection(v)]
-    if other:  # e.g. a gate on the heads' outputs, which we do not cut with them
+    other = [
+        k
+        for k, v in attn.items()
+        if k not in (*_QKVO, "qkv_proj") and blocks.projection(v) and gate_rows(attn, k) is None
+    ]
+    if other:  # not a per-head gate on the heads' outputs (gate_rows), which we cut with them
         return f"its attention ({type(attn).__name__}) has projections we do not split: {other}"
     if _mlp_refusal(layer) is None or fused_glu(layer) or blocks.ffn_child(layer, hidden):
         return None
@@ -144,6 +148,22 @@ def qkv_rows(attn: nn.Module) -> tuple[int, int, int] | None:
     if sum(parts) != rows or parts[0] % heads or parts[1] % kv or parts[2] % kv:
         return None
     return parts
+
+
+# Attention projections that gate the heads' outputs before o_proj, one row (Laguna's g_proj,
+# softplus) or one row per channel (AFMoE's and Muse Glimmer's gate_proj, sigmoid) per head.
+_GATES = ("g_proj", "gate_proj")
+
+
+def gate_rows(attn: nn.Module, name: str) -> int | None:
+    """Rows per query head of an output gate `name` of this attention, or None where it is not
+    one we cut with the heads."""
+    gate, o = attn.get(name), attn.get("o_proj")
+    heads = _heads(attn)[0]
+    if name not in _GATES or not blocks.projection(gate) or not blocks.projection(o) or not heads:
+        return None
+    rows, o_in = blocks._dims(gate)[0], blocks._dims(o)[1]
+    return rows // heads if rows in (heads, o_in) and rows % heads == 0 else None
 
 
 def _hidden(model: nn.Module) -> int:
