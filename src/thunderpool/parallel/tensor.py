@@ -6,7 +6,8 @@ projections all_sum their partial products, so every layer costs two all-reduces
 
 A fused qkv_proj keeps each rank's q, k and v rows, a fused gate_up_proj each rank's rows
 of both halves: one fused projection of the rank's own share. Output gates on the heads
-(tp_reading.gate_rows) are cut with the query heads. Families whose layers this module cannot slice
+(tp_reading.gate_rows) are cut with the query heads; layers of different head counts get
+each their own share, in equal shares only. Families whose layers this module cannot slice
 (MLA, attention sinks: even splits through mlx-lm only; others: none) are refused by `check`
 and `shard` with a message naming the family, the layer and what works
 (tests/parallel/test_all_families.py).
@@ -34,6 +35,7 @@ from thunderpool.parallel.tp_reading import (
     _hidden,
     _structural,
     gate_rows,
+    head_counts,
     qkv_rows,
 )
 
@@ -60,9 +62,9 @@ def _o_in(attn: nn.Module) -> int:
     return cols * 32 // p.bits if p is not None else cols
 
 
-def _head_unit(model: nn.Module) -> int:
+def _head_unit(model: nn.Module, attn: nn.Module | None = None) -> int:
     """Whole query heads per cut, so that o_proj is cut on its quantization boundaries."""
-    attn = _first_attn(model)
+    attn = _first_attn(model) if attn is None else attn
     heads, o_in = _heads(attn)[0], _o_in(attn)
     if not heads or not o_in:
         return 1
@@ -179,7 +181,7 @@ def own_shard(model: nn.Module, n: int, weights: list[float]) -> bool:
     unread = _even_only(model) is not None and any(
         "o_proj" not in layer.self_attn for layer in model.layers if "self_attn" in layer
     )
-    return unread or _structural(model, n) is not None
+    return unread or _structural(model, n) is not None or len(head_counts(model)) > 1
 
 
 def _refusal(model: nn.Module, n: int, weights: list[float]) -> str | None:
@@ -189,6 +191,8 @@ def _refusal(model: nn.Module, n: int, weights: list[float]) -> str | None:
     if (why := _structural(model, n)) is not None:
         return why
     family = _family(model)
+    if (why := _per_layer_refusal(model, n, weights)) is not None:
+        return why
     why = _even_only(model)
     if why is None or _even(model, n, weights):
         return None
@@ -203,6 +207,24 @@ def _refusal(model: nn.Module, n: int, weights: list[float]) -> str | None:
     return (
         f"{family} ({why}) splits only into equal shares that divide its {heads} heads and "
         f"every MLP, through mlx-lm's own shard(): tp={n} with weights {weights} cannot; {fix}"
+    )
+
+
+def _per_layer_refusal(model: nn.Module, n: int, weights: list[float]) -> str | None:
+    """Layers with different (query, KV) head counts (MiMo-V2's sliding and full layers) get
+    each their own share of heads: proven in equal shares that divide every count only."""
+    counts = head_counts(model)
+    if len(counts) < 2:
+        return None
+    ok = [d for d in range(2, min(h for h, _ in counts) + 1)
+          if all(h % d == 0 and kv % d == 0 for h, kv in counts)]
+    if len(set(weights)) == 1 and n in ok:
+        return None
+    fix = f"use tp in {ok} with equal weights, or --parallel pp" if ok else "use --parallel pp"
+    return (
+        f"{_family(model)}: tensor parallelism (tp={n}, weights {weights}) gives each layer its "
+        f"own share of heads only in equal shares that divide every layer's (query, KV) head "
+        f"counts {counts}; {fix}"
     )
 
 
@@ -246,7 +268,7 @@ def check(
         raise ShardingError(why)
     if own_shard(model, n, weights) or _even(model, n, weights):
         return
-    _shares(model, n, weights)
+    _layer_shares(model, n, weights)
     for layer in model.layers:
         if "linear_attn" in layer and "self_attn" not in layer:
             linear_attn.split(layer.linear_attn, weights)
@@ -258,10 +280,23 @@ def check(
             glu_split(gate, down, weights, experts)
 
 
-def _shares(model: nn.Module, n: int, weights: list[float]) -> list[HeadShare]:
+def _layer_shares(model: nn.Module, n: int, weights: list[float]) -> dict:
+    """{(query, KV) head counts: each rank's heads} for every count the layers have."""
+    firsts = {}
+    for layer in model.layers:
+        if "self_attn" in layer:
+            firsts.setdefault(_heads(layer.self_attn), layer.self_attn)
+    return {c: _shares(model, n, weights, a) for c, a in firsts.items()} or {
+        _heads(_first_attn(model)): _shares(model, n, weights)
+    }
+
+
+def _shares(
+    model: nn.Module, n: int, weights: list[float], attn: nn.Module | None = None
+) -> list[HeadShare]:
     """Each rank's heads on our uneven path, or a one-line refusal naming the format."""
-    heads, kv = _heads(_first_attn(model))
-    unit = _head_unit(model)
+    heads, kv = _heads(_first_attn(model) if attn is None else attn)
+    unit = _head_unit(model, attn)
     try:
         return split_heads(heads, kv, weights, unit)
     except ShardingError:
@@ -303,11 +338,11 @@ def shard(
     if own_shard(model, n, weights) or _even(model, n, weights):
         model.shard(group)
         return "mlx-lm"
-    shares = _shares(model, n, weights)
+    shares = _layer_shares(model, n, weights)
     hidden = _hidden(model)
     for layer in model.layers:
         if "self_attn" in layer:
-            shard_attention(layer.self_attn, shares[rank], group)
+            shard_attention(layer.self_attn, shares[_heads(layer.self_attn)][rank], group)
         else:
             linear_attn.shard(layer.linear_attn, weights, rank, group)
         if (fused := blocks.fused_glu(layer)) is not None:

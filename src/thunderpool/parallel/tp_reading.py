@@ -63,12 +63,6 @@ def _structural(model: nn.Module, n: int) -> str | None:
         )
     if _even_only(model) in ("MLA attention", "attention sinks"):
         return None  # mlx-lm's shard() splits these where _even says the shares divide
-    counts = sorted({_heads(layer.self_attn) for layer in layers if "self_attn" in layer})
-    if len(counts) > 1:  # MiMo-V2's sliding layers: one head share per rank cannot fit both
-        return (
-            f"{family}: tensor parallelism (tp={n}) gives each rank one share of heads, but its "
-            f"layers have different (query, KV) head counts {counts}"
-        )
     hidden = _hidden(model)
     for i, layer in enumerate(layers):
         if (why := _layer_refusal(layer, hidden)) is not None:
@@ -164,6 +158,11 @@ def gate_rows(attn: nn.Module, name: str) -> int | None:
         return None
     rows, o_in = blocks._dims(gate)[0], blocks._dims(o)[1]
     return rows // heads if rows in (heads, o_in) and rows % heads == 0 else None
+
+
+def head_counts(model: nn.Module) -> list[tuple[int, int]]:
+    """The distinct (query, KV) head counts of the model's softmax attention layers."""
+    return sorted({_heads(layer.self_attn) for layer in model.layers if "self_attn" in layer})
 
 
 def _hidden(model: nn.Module) -> int:

@@ -167,6 +167,8 @@ def _split_features(
         ):
             return None  # MLA attention splits through mlx-lm's own shard(): whole
         heads, kv, head_dim = shape.heads(config), shape.kv_heads(config), shape.head_dim(config)
+        if not _config_heads(index, prefix, heads, kv, head_dim):
+            return None  # a layer of its own head counts or widths (MiMo-V2's sliding ones)
         try:
             share = split_heads(heads, kv, weights, _head_unit(index, head_dim))[rank]
         except ShardingError:
@@ -199,6 +201,16 @@ def _split_features(
     except ShardingError:
         return None  # the rank refuses this split itself, with its own message
     return span, _GLU[m["proj"]]
+
+
+def _config_heads(index: ModelIndex, prefix: str, heads: int, kv: int, head_dim: int) -> bool:
+    """Whether the layer's stored q/k/v rows are config.json's head counts x head_dim, so that
+    the config's head split is the one the rank's loader takes for this layer."""
+    for proj, n in (("q_proj", heads), ("k_proj", kv), ("v_proj", kv)):
+        t = index.tensors.get(f"{prefix}self_attn.{proj}.weight")
+        if t is None or len(t.shape) < 2 or t.shape[-2] != n * head_dim:
+            return False
+    return True
 
 
 def _quantization(index: ModelIndex, module: str) -> Packing | str | None:
