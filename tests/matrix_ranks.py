@@ -57,6 +57,7 @@ def main(spec_path: str, out_path: str, stage: str = "0") -> None:
         gc.collect()  # the next job's shard replaces this one's
         gc.freeze()  # what outlived it (modules, caches) the next collect need not walk again
         mx.clear_cache()
+    gc.unfreeze()  # exit as before: what the jobs left (the group among it) is freed as ever
     rank = sum(groups[: int(stage)]) + group.rank()  # the global rank
     Path(f"{out_path}.{rank}" if rank else out_path).write_text(json.dumps(results))
 
