@@ -1,4 +1,4 @@
-"""TP of fused projections, per-head output gates and per-layer head counts, in one process:
+"""TP of fused projections, output gates, per-layer head counts and wide q/k norms, in one process:
 what each rank keeps, and that the fabric's pieces (cluster/weights/pieces.py) are exactly
 those arrays or whole. Equality with the unsharded model is the all-families matrix's
 (tests/parallel/test_all_families.py); this checks the cuts themselves and the refusals."""
@@ -30,7 +30,7 @@ def built(tmp_path_factory):
     return lambda family: write_checkpoint(tiny.family_config(family), root / family, 0)
 
 
-@pytest.mark.parametrize("family", ["phi3", "glm4", "laguna", "afmoe", "mimo_v2_flash"])
+@pytest.mark.parametrize("family", ["phi3", "glm4", "laguna", "afmoe", "mimo_v2_flash", "olmo2"])
 def test_each_rank_keeps_its_share_and_the_pieces_match(family, built):
     model_dir = built(family)
     index = index_model(model_dir)
@@ -67,3 +67,12 @@ def test_per_layer_heads_refuse_uneven_weights_and_tp3(built):
     with pytest.raises(ShardingError, match=r"mimo_v2_flash: tensor parallelism \(tp=3"):
         tensor.check(model, 3)
     tensor.check(model, 4)
+
+
+def test_wide_k_norm_refuses_more_ranks_than_kv_heads(tmp_path):
+    # OLMo 2's k_norm sums over every KV head: a KV head shared by two ranks would count twice.
+    config = {**tiny.family_config("olmo2"), "num_key_value_heads": 2}
+    model, _ = build_lazy(write_checkpoint(config, tmp_path / "olmo2", 0))
+    tensor.check(model, 2)
+    with pytest.raises(ShardingError, match=r"olmo2: .*tp=3.* k_norm .*use tp of at most 2"):
+        tensor.check(model, 3)

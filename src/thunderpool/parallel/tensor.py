@@ -7,7 +7,8 @@ projections all_sum their partial products, so every layer costs two all-reduces
 A fused qkv_proj keeps each rank's q, k and v rows, a fused gate_up_proj each rank's rows
 of both halves: one fused projection of the rank's own share. Output gates on the heads
 (tp_reading.gate_rows) are cut with the query heads; layers of different head counts get
-each their own share, in equal shares only. Families whose layers this module cannot slice
+each their own share, in equal shares only; a q/k RMSNorm over every head at once sums its
+squares over the ranks (wide_norm.py). Families whose layers this module cannot slice
 (MLA, attention sinks: even splits through mlx-lm only; others: none) are refused by `check`
 and `shard` with a message naming the family, the layer and what works
 (tests/parallel/test_all_families.py).
@@ -38,6 +39,7 @@ from thunderpool.parallel.tp_reading import (
     head_counts,
     qkv_rows,
 )
+from thunderpool.parallel.wide_norm import SplitRMSNorm, wide_norms
 
 
 def head_step(model: nn.Module) -> tuple[int, str]:
@@ -99,6 +101,8 @@ def shard_attention(attn: nn.Module, share: HeadShare, group: mx.distributed.Gro
     gates = {name: r for name in attn if (r := gate_rows(attn, name)) is not None}
     for name, r in gates.items():  # output gates: r rows per query head
         slice_rows(attn[name], share.q0 * r, share.q1 * r)
+    for name, part in (wide_norms(attn, heads, kv, rows) or {}).items():  # OLMo 2's q/k norms
+        attn[name] = SplitRMSNorm(attn[name], *(q if part == "q" else k), group)
     slice_cols(attn.o_proj, share.q0 * o_dim, share.q1 * o_dim)
     attn.o_proj = SumAfter(attn.o_proj, group)
     for name, value in list(attn.items()):  # per-head parameters: sinks, sink biases
@@ -191,7 +195,7 @@ def _refusal(model: nn.Module, n: int, weights: list[float]) -> str | None:
     if (why := _structural(model, n)) is not None:
         return why
     family = _family(model)
-    if (why := _per_layer_refusal(model, n, weights)) is not None:
+    if (why := _per_layer_refusal(model, n, weights) or _wide_k_refusal(model, n)) is not None:
         return why
     why = _even_only(model)
     if why is None or _even(model, n, weights):
@@ -226,6 +230,23 @@ def _per_layer_refusal(model: nn.Module, n: int, weights: list[float]) -> str | 
         f"own share of heads only in equal shares that divide every layer's (query, KV) head "
         f"counts {counts}; {fix}"
     )
+
+
+def _wide_k_refusal(model: nn.Module, n: int) -> str | None:
+    """A k_norm over every KV head at once sums each rank's channels once: refused where ranks
+    share (replicate) a KV head, which would count its channels on each of them."""
+    for i, layer in enumerate(model.layers):
+        attn = layer.get("self_attn")
+        if attn is None or _head_names(attn) is None or (rows := qkv_rows(attn)) is None:
+            continue
+        heads, kv = _heads(attn)
+        if n > kv and "k" in (wide_norms(attn, heads, kv, rows) or {}).values():
+            return (
+                f"{_family(model)}: tensor parallelism (tp={n}) cannot split layer {i}'s k_norm "
+                f"(over all {kv} KV heads at once) on more ranks than KV heads; use tp of at "
+                f"most {kv} or --parallel pp"
+            )
+    return None
 
 
 def _even(model: nn.Module, n: int, weights: list[float]) -> bool:

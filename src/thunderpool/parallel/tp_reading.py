@@ -10,6 +10,7 @@ import mlx.nn as nn
 from thunderpool.parallel import blocks, linear_attn
 from thunderpool.parallel.anatomy import anatomy, width
 from thunderpool.parallel.blocks import _mlp_refusal, fused_glu
+from thunderpool.parallel.wide_norm import wide_norms
 
 HEAD_NAMES = (
     ("n_heads", "n_kv_heads"),
@@ -111,8 +112,8 @@ def _layer_refusal(layer: nn.Module, hidden: int) -> str | None:
         for k, v in attn.items()
         if (_norm_width(v) == q_rows and heads > 1) or (_norm_width(v) == k_rows and kv > 1)
     ]
-    if wide:  # OLMo 2's q_norm and k_norm: a sum over every head's channels
-        return f"its {', '.join(wide)} normalises over every head at once (not per head)"
+    if wide and wide_norms(attn, heads, kv, rows) is None:  # OLMo 2's: wide_norm.py splits
+        return f"its {', '.join(wide)} normalises over every head at once (not a q/k RMSNorm)"
     other = [
         k
         for k, v in attn.items()
