@@ -28,10 +28,10 @@ import numpy as np
 
 
 class FullForwards:
-    """{key: (model_dir, prompts, steps)} -> {key: (tokens, logits)}, all in one child (each
-    checkpoint loaded once, as greedy_full_forward does). The child starts at once and runs
-    beside whatever the test does next (a launch of one rank takes one of CI's two cores);
-    the first lookup waits for it."""
+    """{key: (model_dir, prompts, steps)} -> {key: (tokens, logits, the parameter bytes
+    mlx-lm loads)}, all in one child. The child starts at once and runs beside whatever the
+    test does next (a launch of one rank takes one of CI's two cores); the first lookup waits
+    for it."""
 
     def __init__(self, items: dict[str, tuple], tmp: Path, timeout: float = 900) -> None:
         from thunderpool.launch.blas import fast_blas_env
@@ -61,7 +61,7 @@ class FullForwards:
             self.done = {}
             for i, key in enumerate(self.keys):
                 data = np.load(self.tmp / f"{i}.npz")
-                self.done[key] = (data["tokens"], data["logits"])
+                self.done[key] = (data["tokens"], data["logits"], int(data["bytes"]))
         return self.done
 
     def __getitem__(self, key):
@@ -83,11 +83,15 @@ def greedy_full_forwards(items: dict[str, tuple], tmp: Path, timeout: float = 90
 def main(spec_path: str, out_dir: str) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from conftest import greedy_full_forward
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
 
     spec = json.loads(Path(spec_path).read_text())
     for i, (model_dir, prompts, steps) in enumerate(spec):
         tokens, logits = greedy_full_forward(Path(model_dir), prompts, steps)
-        np.savez(Path(out_dir) / f"{i}.npz", tokens=tokens, logits=logits)
+        model, _ = load_model(Path(model_dir), lazy=True)
+        size = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        np.savez(Path(out_dir) / f"{i}.npz", tokens=tokens, logits=logits, bytes=size)
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ def test_cell(family, layout, dirs, references, launches):
     parallel, nodes = LAYOUTS[layout]
     if found == "ok":
         got = launches[nodes][f"{family}-{layout}"]
-        want = references[family]
+        want = references[family][:2]
         if layout != "one" and TABLE["families"][family].get("one") == "ok":
             one = launches[1][f"{family}-one"]  # "equal to one rank"
             want = (one["tokens"], one["logits"])

@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from families import FAMILIES, family_prompts, make_family, transformers_dir
+from fast_reference import FullForwards
 from matrix_ranks import launch_backend, run_matrix, trace_job, trace_result
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
@@ -105,8 +106,13 @@ def family_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def references(family_dirs):
-    return Built(lambda kind: greedy_full_forward(family_dirs[kind], PROMPTS))
+def references(family_dirs, tmp_path_factory):
+    """greedy_full_forward of every family, in one child on the ranks' fast BLAS
+    (fast_reference.py): the same mlx-lm forward, without this process's reference BLAS."""
+    items = {kind: (family_dirs[kind], PROMPTS, STEPS) for kind in FAMILIES}
+    refs = FullForwards(items, tmp_path_factory.mktemp("references"))
+    yield refs
+    refs.close()
 
 
 def cell_job(kind: str, layout: str, model_dir, out) -> dict:
