@@ -52,6 +52,12 @@ def _complete(url: str) -> str:
     return r.json()["choices"][0]["text"]
 
 
+@pytest.fixture(scope="module")
+def one_rank(new_family) -> str:
+    """One rank's answer, generated once for both layouts (greedy: the same every time)."""
+    return _one_rank(*new_family)
+
+
 def _one_rank(model: Path, home: Path) -> str:
     cmd = [sys.executable, "-m", "thunderpool", "generate", "--model", str(model),
            "--nodes", "1", "--raw", "--max-tokens", "8", "--prompt", PROMPT]
@@ -67,10 +73,12 @@ def test_the_family_is_new():
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("parallel", ["tp", "pp"])
-def test_new_family_is_proven_then_served_like_one_rank(parallel, new_family, monkeypatch):
+def test_new_family_is_proven_then_served_like_one_rank(
+    parallel, new_family, one_rank, monkeypatch
+):
     model, home = new_family
     monkeypatch.setenv("THUNDERPOOL_HOME", str(home))
-    want = _one_rank(model, home)
+    want = one_rank
     args = ("--model", str(model), "--nodes", "2", "--parallel", parallel, "--backend", "ring")
     with serving(*args) as served:
         got = _complete(served.url)
