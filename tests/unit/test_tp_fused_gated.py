@@ -30,7 +30,9 @@ def built(tmp_path_factory):
     return lambda family: write_checkpoint(tiny.family_config(family), root / family, 0)
 
 
-@pytest.mark.parametrize("family", ["phi3", "glm4", "laguna", "afmoe", "mimo_v2_flash", "olmo2"])
+@pytest.mark.parametrize(
+    "family", ["phi3", "glm4", "afm7", "laguna", "afmoe", "mimo_v2_flash", "olmo2"]
+)
 def test_each_rank_keeps_its_share_and_the_pieces_match(family, built):
     model_dir = built(family)
     index = index_model(model_dir)

@@ -37,7 +37,11 @@ from thunderpool.parallel.tp_reading import (
     _structural,
     gate_rows,
     head_counts,
+    kv_reuse,
+    o_name,
+    per_layer_refusal,
     qkv_rows,
+    wide_k_refusal,
 )
 from thunderpool.parallel.wide_norm import SplitRMSNorm, wide_norms
 
@@ -47,7 +51,8 @@ def head_step(model: nn.Module) -> tuple[int, str]:
     that ask for it, for messages."""
     steps, names = [1], []
     for layer in model.layers:
-        o = getattr(getattr(layer, "self_attn", None), "o_proj", None)
+        attn = getattr(layer, "self_attn", None)
+        o = getattr(attn, o_name(attn), None) if attn is not None else None
         if o is not None and (p := packing_of(o)) is not None:
             steps.append(p.step)
             names.append(str(p))
@@ -56,7 +61,7 @@ def head_step(model: nn.Module) -> tuple[int, str]:
 
 def _o_in(attn: nn.Module) -> int:
     """Input features of the attention's o_proj (heads x the width of each head's output)."""
-    o = getattr(attn, "o_proj", None)
+    o = getattr(attn, o_name(attn), None)
     if o is None or "weight" not in o:
         return 0
     p = packing_of(o)
@@ -76,7 +81,7 @@ def _head_unit(model: nn.Module, attn: nn.Module | None = None) -> int:
 # How families name their head counts: llama/qwen/gemma, mixtral, gpt-oss.
 def shard_attention(attn: nn.Module, share: HeadShare, group: mx.distributed.Group) -> None:
     names = _head_names(attn)
-    rows = qkv_rows(attn) if names is not None and "o_proj" in attn else None
+    rows = qkv_rows(attn) if names is not None and o_name(attn) in attn else None
     if rows is None:
         raise ShardingError(
             f"attention module {type(attn).__name__} has no q/k/v (or fused qkv_proj) and "
@@ -103,13 +108,25 @@ def shard_attention(attn: nn.Module, share: HeadShare, group: mx.distributed.Gro
         slice_rows(attn[name], share.q0 * r, share.q1 * r)
     for name, part in (wide_norms(attn, heads, kv, rows) or {}).items():  # OLMo 2's q/k norms
         attn[name] = SplitRMSNorm(attn[name], *(q if part == "q" else k), group)
-    slice_cols(attn.o_proj, share.q0 * o_dim, share.q1 * o_dim)
-    attn.o_proj = SumAfter(attn.o_proj, group)
+    o = o_name(attn)
+    slice_cols(attn[o], share.q0 * o_dim, share.q1 * o_dim)
+    attn[o] = SumAfter(attn[o], group)
     for name, value in list(attn.items()):  # per-head parameters: sinks, sink biases
         if isinstance(value, mx.array) and value.ndim == 1 and value.shape[0] == heads:
             attn[name] = mx.contiguous(value[share.q0 : share.q1])
     setattr(attn, q_name, share.q1 - share.q0)
     setattr(attn, kv_name, share.kv1 - share.kv0)
+
+
+def shard_reuse(attn: nn.Module, share: HeadShare, group: mx.distributed.Group) -> None:
+    """AFM's KV-reuse attention: the query heads of `share`, whose KV heads are those the
+    layer it reads keeps (the same share of the same counts)."""
+    heads, o = attn.n_heads, o_name(attn)
+    q_dim, o_dim = attn.q_proj.weight.shape[-2] // heads, _o_in(attn) // heads
+    slice_rows(attn.q_proj, share.q0 * q_dim, share.q1 * q_dim)
+    slice_cols(attn[o], share.q0 * o_dim, share.q1 * o_dim)
+    attn[o] = SumAfter(attn[o], group)
+    attn.n_heads = share.q1 - share.q0
 
 
 def shard_mlp(mlp: nn.Module, weights: list[float], rank: int, group, routed: bool = True) -> None:
@@ -195,7 +212,7 @@ def _refusal(model: nn.Module, n: int, weights: list[float]) -> str | None:
     if (why := _structural(model, n)) is not None:
         return why
     family = _family(model)
-    if (why := _per_layer_refusal(model, n, weights) or _wide_k_refusal(model, n)) is not None:
+    if (why := per_layer_refusal(model, n, weights) or wide_k_refusal(model, n)) is not None:
         return why
     why = _even_only(model)
     if why is None or _even(model, n, weights):
@@ -212,41 +229,6 @@ def _refusal(model: nn.Module, n: int, weights: list[float]) -> str | None:
         f"{family} ({why}) splits only into equal shares that divide its {heads} heads and "
         f"every MLP, through mlx-lm's own shard(): tp={n} with weights {weights} cannot; {fix}"
     )
-
-
-def _per_layer_refusal(model: nn.Module, n: int, weights: list[float]) -> str | None:
-    """Layers with different (query, KV) head counts (MiMo-V2's sliding and full layers) get
-    each their own share of heads: proven in equal shares that divide every count only."""
-    counts = head_counts(model)
-    if len(counts) < 2:
-        return None
-    ok = [d for d in range(2, min(h for h, _ in counts) + 1)
-          if all(h % d == 0 and kv % d == 0 for h, kv in counts)]
-    if len(set(weights)) == 1 and n in ok:
-        return None
-    fix = f"use tp in {ok} with equal weights, or --parallel pp" if ok else "use --parallel pp"
-    return (
-        f"{_family(model)}: tensor parallelism (tp={n}, weights {weights}) gives each layer its "
-        f"own share of heads only in equal shares that divide every layer's (query, KV) head "
-        f"counts {counts}; {fix}"
-    )
-
-
-def _wide_k_refusal(model: nn.Module, n: int) -> str | None:
-    """A k_norm over every KV head at once sums each rank's channels once: refused where ranks
-    share (replicate) a KV head, which would count its channels on each of them."""
-    for i, layer in enumerate(model.layers):
-        attn = layer.get("self_attn")
-        if attn is None or _head_names(attn) is None or (rows := qkv_rows(attn)) is None:
-            continue
-        heads, kv = _heads(attn)
-        if n > kv and "k" in (wide_norms(attn, heads, kv, rows) or {}).values():
-            return (
-                f"{_family(model)}: tensor parallelism (tp={n}) cannot split layer {i}'s k_norm "
-                f"(over all {kv} KV heads at once) on more ranks than KV heads; use tp of at "
-                f"most {kv} or --parallel pp"
-            )
-    return None
 
 
 def _even(model: nn.Module, n: int, weights: list[float]) -> bool:
@@ -305,7 +287,7 @@ def _layer_shares(model: nn.Module, n: int, weights: list[float]) -> dict:
     """{(query, KV) head counts: each rank's heads} for every count the layers have."""
     firsts = {}
     for layer in model.layers:
-        if "self_attn" in layer:
+        if "self_attn" in layer and not kv_reuse(layer.self_attn):
             firsts.setdefault(_heads(layer.self_attn), layer.self_attn)
     return {c: _shares(model, n, weights, a) for c, a in firsts.items()} or {
         _heads(_first_attn(model)): _shares(model, n, weights)
@@ -362,7 +344,9 @@ def shard(
     shares = _layer_shares(model, n, weights)
     hidden = _hidden(model)
     for layer in model.layers:
-        if "self_attn" in layer:
+        if kv_reuse(layer.get("self_attn")):  # the last KV layer's share (one head count)
+            shard_reuse(layer.self_attn, next(iter(shares.values()))[rank], group)
+        elif "self_attn" in layer:
             shard_attention(layer.self_attn, shares[_heads(layer.self_attn)][rank], group)
         else:
             linear_attn.shard(layer.linear_attn, weights, rank, group)

@@ -4,6 +4,8 @@ blocks of any shape) and, where it cannot, the one-line reason naming the layer.
 
 from __future__ import annotations
 
+import inspect
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -72,6 +74,23 @@ def _structural(model: nn.Module, n: int) -> str | None:
 
 
 _QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+_OUT = ("o_proj", "out_proj")  # AFM names its output projection out_proj
+
+
+def o_name(attn: nn.Module) -> str:
+    """The name of the attention's output projection ("o_proj" where it has none)."""
+    return next((n for n in _OUT if n in attn), "o_proj")
+
+
+def kv_reuse(attn: nn.Module | None) -> bool:
+    """Attention that is handed an earlier layer's keys and values (AFM's KV-reuse layers,
+    called with them): a q_proj and an output projection, n_heads, no K/V projections."""
+    if attn is None or "q_proj" not in attn or o_name(attn) not in attn:
+        return False
+    if any(p in attn for p in ("k_proj", "v_proj", "qkv_proj")):
+        return False
+    called = inspect.signature(type(attn).__call__).parameters
+    return isinstance(getattr(attn, "n_heads", None), int) and {"keys", "values"} <= set(called)
 
 
 def _norm_width(m) -> int:
@@ -98,7 +117,10 @@ def _layer_refusal(layer: nn.Module, hidden: int) -> str | None:
         return None if _mlp_refusal(layer) is None or blocks.ffn_child(layer, hidden) else (
             "its feed-forward has no projections to and from the hidden width"
         )
-    need = ("qkv_proj", "o_proj") if "qkv_proj" in attn else _QKVO
+    if kv_reuse(attn):  # its query heads are cut like the layer's whose KV it reads (tensor.py)
+        return _ffn_refusal(layer, hidden)
+    o = o_name(attn)
+    need = ("qkv_proj", o) if "qkv_proj" in attn else (*_QKVO[:3], o)
     missing = [p for p in need if p not in attn]
     if missing or _head_names(attn) is None:
         what = f"no {', '.join(missing)}" if missing else "no head counts we read"
@@ -117,10 +139,15 @@ def _layer_refusal(layer: nn.Module, hidden: int) -> str | None:
     other = [
         k
         for k, v in attn.items()
-        if k not in (*_QKVO, "qkv_proj") and blocks.projection(v) and gate_rows(attn, k) is None
+        if k not in (*_QKVO, *_OUT, "qkv_proj") and blocks.projection(v)
+        and gate_rows(attn, k) is None
     ]
     if other:  # not a per-head gate on the heads' outputs (gate_rows), which we cut with them
         return f"its attention ({type(attn).__name__}) has projections we do not split: {other}"
+    return _ffn_refusal(layer, hidden)
+
+
+def _ffn_refusal(layer: nn.Module, hidden: int) -> str | None:
     if _mlp_refusal(layer) is None or fused_glu(layer) or blocks.ffn_child(layer, hidden):
         return None
     why = _mlp_refusal(layer)
@@ -153,7 +180,7 @@ _GATES = ("g_proj", "gate_proj")
 def gate_rows(attn: nn.Module, name: str) -> int | None:
     """Rows per query head of an output gate `name` of this attention, or None where it is not
     one we cut with the heads."""
-    gate, o = attn.get(name), attn.get("o_proj")
+    gate, o = attn.get(name), attn.get(o_name(attn))
     heads = _heads(attn)[0]
     if name not in _GATES or not blocks.projection(gate) or not blocks.projection(o) or not heads:
         return None
@@ -163,7 +190,49 @@ def gate_rows(attn: nn.Module, name: str) -> int | None:
 
 def head_counts(model: nn.Module) -> list[tuple[int, int]]:
     """The distinct (query, KV) head counts of the model's softmax attention layers."""
-    return sorted({_heads(layer.self_attn) for layer in model.layers if "self_attn" in layer})
+    attns = [layer.self_attn for layer in model.layers if "self_attn" in layer]
+    return sorted({_heads(a) for a in attns if not kv_reuse(a)})
+
+
+def per_layer_refusal(model: nn.Module, n: int, weights: list[float]) -> str | None:
+    """Layers with different (query, KV) head counts (MiMo-V2's sliding and full layers) get
+    each their own share of heads: proven in equal shares that divide every count only."""
+    counts = head_counts(model)
+    reuse = {a.n_heads for layer in model.layers if kv_reuse(a := layer.get("self_attn"))}
+    if reuse and (len(counts) != 1 or reuse != {counts[0][0]}):
+        return (
+            f"{_family(model)}: tensor parallelism (tp={n}) cuts KV-reuse layers' {reuse} query "
+            f"heads like the layers whose KV they read, which have {counts}; use --parallel pp"
+        )
+    if len(counts) < 2:
+        return None
+    ok = [d for d in range(2, min(h for h, _ in counts) + 1)
+          if all(h % d == 0 and kv % d == 0 for h, kv in counts)]
+    if len(set(weights)) == 1 and n in ok:
+        return None
+    fix = f"use tp in {ok} with equal weights, or --parallel pp" if ok else "use --parallel pp"
+    return (
+        f"{_family(model)}: tensor parallelism (tp={n}, weights {weights}) gives each layer its "
+        f"own share of heads only in equal shares that divide every layer's (query, KV) head "
+        f"counts {counts}; {fix}"
+    )
+
+
+def wide_k_refusal(model: nn.Module, n: int) -> str | None:
+    """A k_norm over every KV head at once sums each rank's channels once: refused where ranks
+    share (replicate) a KV head, which would count its channels on each of them."""
+    for i, layer in enumerate(model.layers):
+        attn = layer.get("self_attn")
+        if attn is None or _head_names(attn) is None or (rows := qkv_rows(attn)) is None:
+            continue
+        heads, kv = _heads(attn)
+        if n > kv and "k" in (wide_norms(attn, heads, kv, rows) or {}).values():
+            return (
+                f"{_family(model)}: tensor parallelism (tp={n}) cannot split layer {i}'s k_norm "
+                f"(over all {kv} KV heads at once) on more ranks than KV heads; use tp of at "
+                f"most {kv} or --parallel pp"
+            )
+    return None
 
 
 def _hidden(model: nn.Module) -> int:
