@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import uvicorn
 from conftest import tiny_prompts
+from matrix_ranks import run_traces
 from test_control_plane import node
 from testbed import wait_until
 
@@ -111,11 +112,11 @@ def loaded_bytes(events, rank: int) -> int:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])  # even (mlx-lm) and uneven (2+1 KV) splits
 def test_tp2_fetches_half_of_each_split_matrix_and_matches_one_rank(
-    pair, tiny_models, tmp_path, kind, one_rank_trace
+    pair, tiny_models, tmp_path, kind, one_rank
 ):
     _, a, b, _ = pair
     model = tiny_models[kind]
-    ref = one_rank_trace(model, tiny_prompts(2), 16)
+    ref = one_rank[kind]
     before = received(b)
     events = launch(pair, "tp", tmp_path / "tp.npz", model)
     np.testing.assert_array_equal(np.load(tmp_path / "tp.npz")["tokens"], ref["tokens"])
@@ -148,6 +149,20 @@ def quantize(
     return out
 
 
+@pytest.fixture(scope="module")
+def one_rank(tiny_models, one_rank_trace, tmp_path_factory) -> dict:
+    """One rank's trace of each model launched here: llama's shared with other modules
+    (one_rank_trace), the others in one launch (matrix_ranks.run_traces)."""
+    llama = tiny_models["llama"]
+    models = {"qwen3": tiny_models["qwen3"], "qwen3_moe": tiny_models["qwen3_moe"],
+              "llama-q3": quantize(llama, llama.parent / "llama-q3", bits=3),
+              "llama-mxfp4": quantize(llama, llama.parent / "llama-mxfp4", mode="mxfp4")}
+    common = {"nodes": 1, "prompts": tiny_prompts(2), "max_tokens": 16}
+    traces = run_traces({k: {**common, "model_dir": m} for k, m in models.items()},
+                        tmp_path_factory.mktemp("one-rank"))
+    return {**traces, "llama": one_rank_trace(llama, tiny_prompts(2), 16)}
+
+
 # End to end, one checkpoint per way of packing: 3-bit values straddle words (as 5 and 6 bits
 # do), mxfp4 has scales and no biases, qwen3_moe cuts each expert. That the source cuts every
 # width as the loader does is tests/cluster/test_shards.py, 4 bits in
@@ -157,7 +172,7 @@ def quantize(
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama-q3", "llama-mxfp4", "qwen3_moe"])
 def test_tp2_slices_quantized_and_expert_matrices_at_the_source(
-    pair, tiny_models, tmp_path, kind, one_rank_trace
+    pair, tiny_models, tmp_path, kind, one_rank
 ):
     """Packed weights with their scales and biases (rows, or whole input groups and words:
     3- and 6-bit values straddle words) and each expert's gate/up/down are cut at the source
@@ -176,7 +191,7 @@ def test_tp2_slices_quantized_and_expert_matrices_at_the_source(
     if kind == "qwen3_moe":
         want = ("experts.3.gate_proj.weight", "experts.0.down_proj.weight", "o_proj.weight")
     assert all(any(n.endswith(w) for n in sliced) for w in want), sorted(sliced)
-    ref = one_rank_trace(model, tiny_prompts(2), 16)
+    ref = one_rank[kind]
     before = received(b)
     events = launch(pair, "tp", tmp_path / "tp.npz", model)
     np.testing.assert_array_equal(np.load(tmp_path / "tp.npz")["tokens"], ref["tokens"])
@@ -188,7 +203,7 @@ def test_tp2_slices_quantized_and_expert_matrices_at_the_source(
 
 @pytest.mark.slow
 def test_ep2_as_planned_fetches_only_its_experts_and_matches_one_rank(
-    pair, tiny_models, tmp_path, one_rank_trace
+    pair, tiny_models, tmp_path, one_rank
 ):
     """The planner's EP plan, launched over the fabric: node b is sent its attention slices
     and only its own experts' tensors (per-expert checkpoint), and decodes as one rank does."""
@@ -206,7 +221,7 @@ def test_ep2_as_planned_fetches_only_its_experts_and_matches_one_rank(
     )
     layout = plan.layout()
     assert layout.parallel == "ep" and layout.expert_split == (2, 2)
-    ref = one_rank_trace(model, tiny_prompts(2), 16)
+    ref = one_rank["qwen3_moe"]
     before = received(b)
     task = TraceTask(prompts=tuple(map(tuple, tiny_prompts(2))), max_tokens=16, out="")
     task = task.model_copy(update={"out": str(tmp_path / "ep.npz")})
@@ -234,9 +249,9 @@ def test_ep2_as_planned_fetches_only_its_experts_and_matches_one_rank(
     )
 
 
-def test_pp2_fetches_its_stage_and_reuses_what_the_tp_shard_holds(pair, tmp_path, one_rank_trace):
+def test_pp2_fetches_its_stage_and_reuses_what_the_tp_shard_holds(pair, tmp_path, one_rank):
     model, a, b, _ = pair
-    ref = one_rank_trace(model, tiny_prompts(2), 16)
+    ref = one_rank["llama"]
     tp = rank_pieces(index_model(model), RankLayout(rank=1, world=2, parallel="tp"))
     launch(pair, "tp", tmp_path / "tp.npz")  # b holds the TP shard whatever ran before
     before = received(b)
@@ -252,7 +267,7 @@ def test_pp2_fetches_its_stage_and_reuses_what_the_tp_shard_holds(pair, tmp_path
 
 
 def test_a_flipped_byte_is_detected_refetched_and_never_loaded(
-    pair, tmp_path, monkeypatch, one_rank_trace
+    pair, tmp_path, monkeypatch, one_rank
 ):
     model, a, b, _ = pair
     b.weights.remove(RemoveShards())
@@ -267,7 +282,7 @@ def test_a_flipped_byte_is_detected_refetched_and_never_loaded(
         return data
 
     monkeypatch.setattr(ModelSource, "chunk", flip_once)
-    ref = one_rank_trace(model, tiny_prompts(2), 16)
+    ref = one_rank["llama"]
     launch(pair, "tp", tmp_path / "tp.npz")
     assert flipped
     fetches = b.weights.cache()["fetches"].values()
@@ -455,13 +470,13 @@ def third(pair, tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_node_fetches_what_a_peer_holds_from_that_peer(
-    pair, third, tiny_models, tmp_path, one_rank_trace
+    pair, third, tiny_models, tmp_path, one_rank
 ):
     """b holds TP rank 1's shard from an earlier plan; in a plan on b and c, c gets rank 1's
     pieces from b (checked against the source's hashes) while b fetches rank 0's from a."""
     _, a, b, coord = pair
     c, model = third, tiny_models["qwen3"]
-    ref = one_rank_trace(model, tiny_prompts(2), 16)
+    ref = one_rank["qwen3"]
     b_fetch = b.weights.start_fetch(
         FetchShards(
             model=str(model),
