@@ -7,6 +7,7 @@ text they get one at a time. A client that disconnects stops its generation.
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import json
 import os
 import subprocess
@@ -278,13 +279,16 @@ def test_vllm_length_controls_match_transformers(server, smollm2_transformers):
     prompt = list(ours.apply_chat_template(ask, add_generation_prompt=True))
     eos = set(ours.eos_token_ids)
 
+    # transformers 5.x names the KV cache `cache` (`past_key_values` before, now deprecated).
+    kv = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
     def greedy(n: int, min_new: int = 0, stop_at_eos: bool = False) -> list[int]:
         out: list[int] = []
         ids, past = torch.tensor([prompt]), None  # transformers' own KV cache, fp32
         with torch.no_grad():
             for step in range(n):
-                o = model(ids, past_key_values=past, use_cache=True)
-                logits, past = o.logits[0, -1], o.past_key_values
+                o = model(ids, **{kv: past}, use_cache=True)
+                logits, past = o.logits[0, -1], getattr(o, kv)
                 if step < min_new:
                     logits[sorted(eos)] = -torch.inf
                 out.append(int(logits.argmax()))
