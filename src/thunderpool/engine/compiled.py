@@ -36,7 +36,7 @@ COMPILED_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
 FINE, COARSE_FROM, STEP = 64, 1024, 256
 # mx.compile keeps every shape's traced graph for the life of the compiled function (about
 # 2 MiB each for a 30-layer model here), and batch size x buffer capacity x window width makes
-# hundreds of shapes over a long serve: RSS grew 250 MiB in a 300 s soak. The most recently
+# hundreds of shapes over a long serve (part of a soak's growth; README). The most recently
 # used GRAPHS shapes keep their graph (THUNDERPOOL_DECODE_GRAPHS overrides); an older one is
 # traced again if it comes back (~0.1-0.3 s for that model here).
 GRAPHS = 32
