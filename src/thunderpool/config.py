@@ -46,32 +46,29 @@ def blas_choice() -> str:
     return os.environ.get("THUNDERPOOL_BLAS", "auto")
 
 
-def decode_ways() -> int | None:
-    """THUNDERPOOL_DECODE_WAYS: the CPU streams a compiled decode step splits its one-row
-    products over (engine/rowsplit.py); None (unset or "auto") means one per core."""
-    value = os.environ.get("THUNDERPOOL_DECODE_WAYS", "auto").strip()
+def _count(name: str, auto: str, example: str) -> int | None:
+    """A positive whole number from environment variable `name`; None when unset or "auto"."""
+    value = os.environ.get(name, "auto").strip()
     if value == "auto":
         return None
     if not value.isdigit() or int(value) < 1:
         raise ThunderpoolError(
-            f"THUNDERPOOL_DECODE_WAYS={value!r} is not a positive whole number; "
-            "unset it or set it to auto (one per core) or e.g. 1 (no split)"
+            f"{name}={value!r} is not a positive whole number; "
+            f"unset it or set it to auto ({auto}) or e.g. {example}"
         )
     return int(value)
+
+
+def decode_ways() -> int | None:
+    """THUNDERPOOL_DECODE_WAYS: the CPU streams a compiled decode step splits its one-row
+    products over (engine/rowsplit.py); None (unset or "auto") means one per core."""
+    return _count("THUNDERPOOL_DECODE_WAYS", "one per core", "1 (no split)")
 
 
 def decode_graphs() -> int | None:
     """THUNDERPOOL_DECODE_GRAPHS: how many input shapes keep their compiled decode graph
     (engine/compiled.py); None (unset or "auto") means its default."""
-    value = os.environ.get("THUNDERPOOL_DECODE_GRAPHS", "auto").strip()
-    if value == "auto":
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ThunderpoolError(
-            f"THUNDERPOOL_DECODE_GRAPHS={value!r} is not a positive whole number; "
-            "unset it or set it to auto (32) or e.g. 8 (less memory, more retracing)"
-        )
-    return int(value)
+    return _count("THUNDERPOOL_DECODE_GRAPHS", "32", "8 (less memory, more retracing)")
 
 
 def kmajor_choice() -> bool | None:

@@ -15,6 +15,7 @@ test_compiled.py) compile; any other decodes eagerly, never approximately.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -188,7 +189,9 @@ class CompiledDecode:
         key = (step is self._window, *shape)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = mx.compile(step)
+            # mx.compile's cache is per function object: a partial of its own per shape, so
+            # that dropping one does not erase the graphs of the others (which it did).
+            graph = self._graphs[key] = mx.compile(functools.partial(step))
             self.traces += 1
             if len(self._graphs) > self.limit:
                 self._graphs.popitem(last=False)
