@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 from thunderpool.api import openapi, prompts
 from thunderpool.api.conversation import Admitted, Conversation, Finish, Turn, admit, render
 from thunderpool.api.errors import APIError, bad_request
+from thunderpool.api.models import Served
 from thunderpool.api.schemas import SamplingFields
 from thunderpool.api.sse import EventStream, until_disconnect
 from thunderpool.api.tools import Call, Text, function_tool
@@ -297,7 +298,7 @@ async def events(engine: EngineClient, a: Admitted) -> AsyncGenerator[bytes, Non
 
 
 def mount(
-    app: FastAPI, engine: EngineClient, require_key: Callable[[Request], None], keyed: bool
+    app: FastAPI, served: Served, require_key: Callable[[Request], None], keyed: bool
 ) -> None:
     """Adds `POST /v1/messages`; the key may come as `x-api-key` (Anthropic's) or a bearer."""
 
@@ -312,7 +313,7 @@ def mount(
         return wrapped
 
     example = {
-        "model": engine.info.model,
+        "model": served.names()[0],
         "max_tokens": 16,
         "messages": [{"role": "user", "content": "Hello"}],
     }
@@ -329,7 +330,7 @@ def mount(
     @anthropic_errors
     async def messages(request: Request) -> Response:
         req = await parse(request, MessagesRequest)
-        prompts.check_model(req.model, engine.info.model)
+        engine = await served.acquire(prompts.check_model(req.model, served.names()))
         admitted = await admit(engine, to_conversation(req), "msg_")
         if req.stream:
             return EventStream(events(engine, admitted))
@@ -352,7 +353,7 @@ def mount(
     async def count_tokens(request: Request) -> Response:
         """The prompt's length, as agents ask before sending a long conversation."""
         req = await parse(request, CountTokensRequest)
-        prompts.check_model(req.model, engine.info.model)
+        engine = await served.acquire(prompts.check_model(req.model, served.names()))
         full = MessagesRequest(**dict(req), max_tokens=1)
         ids = await render(engine, to_conversation(full))
         return JSONResponse(TokenCount(input_tokens=len(ids)).model_dump())

@@ -1,5 +1,6 @@
-"""Ollama's API (`/api/chat`, `/api/generate`, `/api/tags`, `/api/show`, `/api/version`) over
-the shared Conversation, streamed as NDJSON (Ollama's default) or collected.
+"""Ollama's API (`/api/chat`, `/api/generate`; the model endpoints are ollama_models.py's) over
+the shared Conversation, streamed as NDJSON (Ollama's default) or collected. `keep_alive` sets
+how long the model stays loaded once idle (ollama_models.keep_alive).
 
 Sampling defaults are Ollama's (temperature 0.8, top_k 40, top_p 0.9); `options` it does not
 honour (mirostat, num_gpu, ...) are 400s naming them. Errors are `{"error": "..."}`.
@@ -17,10 +18,11 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from thunderpool import __version__
-from thunderpool.api import openapi
+from thunderpool.api import ollama_models, openapi
 from thunderpool.api.conversation import Admitted, Conversation, Finish, admit
 from thunderpool.api.errors import APIError, bad_request
+from thunderpool.api.models import Served
+from thunderpool.api.ollama_models import check_model, keep_alive
 from thunderpool.api.ollama_wire import (
     OllamaChatRequest,
     OllamaChatResponse,
@@ -28,7 +30,6 @@ from thunderpool.api.ollama_wire import (
     OllamaGenerateRequest,
     OllamaGenerateResponse,
     OllamaOptions,
-    ShowRequest,
     _Generating,
 )
 from thunderpool.api.schemas import SamplingFields
@@ -45,14 +46,6 @@ DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's own
 def error_response(e: APIError) -> JSONResponse:
     body = OllamaError(error=e.message).model_dump(mode="json")
     return JSONResponse(body, status_code=e.status, headers=e.headers)
-
-
-def check_model(requested: str, served: str) -> None:
-    """Ollama names carry a tag; `served` and `served:latest` are the one model."""
-    if requested not in (served, f"{served}:latest"):
-        raise APIError(
-            404, f"model '{requested}' not found; this server serves '{served}'", param="model"
-        )
 
 
 def _refuse(req: _Generating, **unsupported: Any) -> None:
@@ -209,7 +202,7 @@ async def lines(engine: EngineClient, a: Admitted, chat: bool) -> AsyncGenerator
 
 
 def mount(
-    app: FastAPI, engine: EngineClient, require_key: Callable[[Request], None], keyed: bool
+    app: FastAPI, served: Served, require_key: Callable[[Request], None], keyed: bool
 ) -> None:
 
     def ollama_errors(handler: Callable[[Request], Awaitable[Response]]):
@@ -230,15 +223,17 @@ def mount(
     ):
         return openapi.route(ok, errors, body, example, guarded=keyed, error="OllamaError")
 
-    _mount_generation(app, engine, ollama_errors, doc)
-    _mount_info(app, engine, ollama_errors, doc)
+    _mount_generation(app, served, ollama_errors, doc)
+    ollama_models.mount(app, served, ollama_errors, doc)
 
 
-def _mount_generation(app: FastAPI, engine: EngineClient, ollama_errors, doc) -> None:
+def _mount_generation(app: FastAPI, served: Served, ollama_errors, doc) -> None:
     """/api/chat and /api/generate: NDJSON lines, or one body."""
-    served = engine.info.model
+    default = served.names()[0]
 
-    async def answer(request: Request, conv: Conversation, chat: bool) -> Response:
+    async def answer(request: Request, req: _Generating, conv: Conversation, chat: bool):
+        name = check_model(req.model, served.names())
+        engine = await served.acquire(name, keep_alive(req.keep_alive))
         admitted = await admit(engine, conv, "ollama-")
         if conv.stream:
             return NDJSONStream(lines(engine, admitted, chat))
@@ -247,7 +242,7 @@ def _mount_generation(app: FastAPI, engine: EngineClient, ollama_errors, doc) ->
         if t is None:
             return Response(status_code=CLIENT_CLOSED)
         clock.tick()
-        body: dict[str, Any] = {"model": served, "created_at": _now()}
+        body: dict[str, Any] = {"model": name, "created_at": _now()}
         if chat:
             message: dict[str, Any] = {"role": "assistant", "content": t.text}
             if t.calls:
@@ -258,7 +253,7 @@ def _mount_generation(app: FastAPI, engine: EngineClient, ollama_errors, doc) ->
         return JSONResponse({**body, "done": True, **clock.stats(t.finish)})
 
     chat_example = {
-        "model": served,
+        "model": default,
         "stream": False,
         "messages": [{"role": "user", "content": "Hello"}],
     }
@@ -276,11 +271,11 @@ def _mount_generation(app: FastAPI, engine: EngineClient, ollama_errors, doc) ->
     @ollama_errors
     async def chat(request: Request) -> Response:
         req = await parse(request, OllamaChatRequest)
-        check_model(req.model, served)
-        return await answer(request, chat_conversation(req), chat=True)
+        check_model(req.model, served.names())
+        return await answer(request, req, chat_conversation(req), chat=True)
 
     gen_example = {
-        "model": served,
+        "model": default,
         "prompt": "Hello",
         "stream": False,
         "options": {"num_predict": 16},
@@ -298,67 +293,15 @@ def _mount_generation(app: FastAPI, engine: EngineClient, ollama_errors, doc) ->
     @ollama_errors
     async def generate(request: Request) -> Response:
         req = await parse(request, OllamaGenerateRequest)
-        check_model(req.model, served)
+        name = check_model(req.model, served.names())
         conv = generate_conversation(req)  # what it cannot honour is refused, preload or not
-        if not req.prompt:  # Ollama's way to preload a model (raw or not): it is loaded
-            body = {"model": served, "created_at": _now(), "response": ""}
-            return JSONResponse({**body, "done": True, "done_reason": "load"})
-        return await answer(request, conv, chat=False)
-
-
-def _mount_info(app: FastAPI, engine: EngineClient, ollama_errors, doc) -> None:
-    """/api/tags, /api/show and /api/version: what an Ollama client asks before it chats."""
-    served = engine.info.model
-
-    def details() -> dict[str, Any]:
-        family = str(engine.info.cluster.get("model_type") or "")
-        return {"format": "safetensors", "family": family, "families": [family] if family else None}
-
-    @app.get(
-        "/api/tags",
-        **doc({"content": {"application/json": {"schema": {"type": "object"}}}}, errors=()),
-    )
-    @ollama_errors
-    async def tags(request: Request) -> Response:
-        when = datetime.fromtimestamp(engine.info.created, UTC).isoformat()
-        model = {"name": served, "model": served, "modified_at": when, "size": 0, "digest": ""}
-        return JSONResponse({"models": [{**model, "details": details()}]})
-
-    @app.post(
-        "/api/show",
-        **doc(
-            {"content": {"application/json": {"schema": {"type": "object"}}}},
-            ShowRequest,
-            {"model": served},
-            (400, 404),
-        ),
-    )
-    @ollama_errors
-    async def show(request: Request) -> Response:
-        req = await parse(request, ShowRequest)
-        check_model(req.model, served)
-        tok = engine.tokenizer
-        capabilities = ["completion"] + (
-            ["tools"] if getattr(tok, "has_tool_calling", False) else []
-        )
-        info = {
-            "general.architecture": details()["family"],
-            "context_length": engine.info.max_context,
-        }
-        return JSONResponse(
-            {
-                "modelfile": "",
-                "parameters": "",
-                "template": str(getattr(tok, "chat_template", "") or ""),
-                "details": details(),
-                "model_info": info,
-                "capabilities": capabilities,
-            }
-        )
-
-    @app.get(
-        "/api/version",
-        **openapi.route({"content": {"application/json": {"schema": {"type": "object"}}}}),
-    )
-    async def version() -> JSONResponse:
-        return JSONResponse({"version": __version__})
+        if not req.prompt:  # Ollama's way to load a model (keep_alive 0: to unload it)
+            keep = keep_alive(req.keep_alive)
+            if keep == 0:
+                served.keep(name, 0)
+            else:
+                await served.acquire(name, keep)
+            body = {"model": name, "created_at": _now(), "response": ""}
+            reason = "unload" if keep == 0 else "load"
+            return JSONResponse({**body, "done": True, "done_reason": reason})
+        return await answer(request, req, conv, chat=False)

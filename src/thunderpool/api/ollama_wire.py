@@ -3,11 +3,15 @@ and read them: anything else in a request is refused by name (Strict)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, WithJsonSchema
 
 from thunderpool.api.wire import Strict
+
+# keep_alive as a string: seconds, or a Go duration like Ollama's ("5m", "1h30m", "-1s").
+DURATION = r"^[+-]?(\d+(\.\d*)?|((\d+(\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h))+)$"
+KEEP_ALIVE = {"type": "string", "pattern": DURATION}
 
 
 class OllamaFunction(Strict):
@@ -46,7 +50,9 @@ class _Generating(Strict):
     stream: bool | None = None
     options: OllamaOptions | None = None
     format: Any = None
-    keep_alive: float | int | str | None = None  # the served model stays loaded regardless
+    # How long the model stays loaded once idle; a string that is no duration is refused by
+    # ollama_models.keep_alive, with the forms it takes (the schema shows the pattern).
+    keep_alive: float | int | Annotated[str, WithJsonSchema(KEEP_ALIVE)] | None = None
     think: bool | str | None = None
 
 
@@ -68,6 +74,16 @@ class OllamaGenerateRequest(_Generating):
 class ShowRequest(Strict):
     model: str
     verbose: bool | None = None
+
+
+class PullRequest(Strict):
+    """Nothing is downloaded (the server knows its models at start): `insecure` has no
+    connection to change, so it is taken as said."""
+
+    model: str | None = None
+    name: str | None = None  # Ollama's older spelling of `model`
+    stream: bool | None = None
+    insecure: bool | None = None
 
 
 class OllamaError(BaseModel):

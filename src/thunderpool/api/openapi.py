@@ -44,7 +44,8 @@ ERRORS = {
 RETRY_AFTER = {"Retry-After": {"required": True, "schema": {"type": "string"}}}
 CLUSTER = {
     "description": "the model; each rank's host, parameters, RSS and peak RSS (`nodes`); each "
-    "measured link once (`links`); which layers and heads each rank holds (`placement`)",
+    "measured link once (`links`); which layers and heads each rank holds (`placement`); with "
+    "several models, each one's state, placement, memory, throughput and queue (`instances`)",
     "content": {"application/json": {"schema": {"type": "object"}}},
 }
 
@@ -70,6 +71,8 @@ class Health(BaseModel):
     progress: float | None = None
     detail: str | None = None
     fetch: list[NodeFetchProgress] | None = None
+    # With several models: each one's {model, state, progress, detail}; 200 while one serves.
+    models: list[dict[str, Any]] | None = None
 
 
 HEALTH = {

@@ -18,17 +18,25 @@ DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 
 
-def check_model(requested: str | None, served: str) -> None:
-    """OpenAI requires `model`; we require it too, and it must be the one model served."""
+def serves(names: str | Sequence[str]) -> str:
+    """`this server serves 'A'` (or `'A', 'B'`): the end of every unknown-model error."""
+    names = [names] if isinstance(names, str) else list(names)
+    return "this server serves " + ", ".join(f"'{n}'" for n in names)
+
+
+def check_model(requested: str | None, served: str | Sequence[str]) -> str:
+    """OpenAI requires `model`; we require it too, and it must be a model served (returned)."""
+    names = [served] if isinstance(served, str) else list(served)
     if requested is None:
-        raise bad_request(f"'model' is required; this server serves '{served}'", param="model")
-    if requested != served:
+        raise bad_request(f"'model' is required; {serves(names)}", param="model")
+    if requested not in names:
         raise APIError(
             404,
-            f"the model '{requested}' does not exist; this server serves '{served}'",
+            f"the model '{requested}' does not exist; {serves(names)}",
             param="model",
             code="model_not_found",
         )
+    return requested
 
 
 def check_supported(req: ChatRequest | CompletionRequest) -> None:

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from thunderpool.api import openapi, prompts
 from thunderpool.api.conversation import Admitted, Conversation, Finish, Turn, admit, new_id
 from thunderpool.api.errors import APIError, bad_request
+from thunderpool.api.models import Served
 from thunderpool.api.schemas import ErrorDetail, SamplingFields
 from thunderpool.api.sse import EventStream, until_disconnect
 from thunderpool.api.tools import Call, Text, function_tool
@@ -338,15 +339,15 @@ async def events(
         yield send("response.failed", response=failed)
 
 
-def mount(app: FastAPI, engine: EngineClient, guard: list[Any], keyed: bool) -> None:
-    example = {"model": engine.info.model, "input": "Hello", "max_output_tokens": 16}
+def mount(app: FastAPI, served: Served, guard: list[Any], keyed: bool) -> None:
+    example = {"model": served.names()[0], "input": "Hello", "max_output_tokens": 16}
     ok = {"model": ResponseObject, "content": openapi.named_events()}
     doc = openapi.route(ok, (400, 404, 429, 503), ResponsesRequest, example, guarded=keyed)
 
     @app.post("/v1/responses", dependencies=guard, **doc)
     async def responses(request: Request) -> Response:
         req = await parse(request, ResponsesRequest)
-        prompts.check_model(req.model, engine.info.model)
+        engine = await served.acquire(prompts.check_model(req.model, served.names()))
         admitted = await admit(engine, to_conversation(req), "resp_")
         if req.stream:
             return EventStream(events(engine, admitted, req))

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API over one EngineClient: completions, models, health, metrics.
+"""The OpenAI-compatible HTTP API over the served models (one EngineClient, or a registry of
+several: api/models.py): completions, models, health, metrics.
 
 Request bodies are parsed here rather than by FastAPI, so malformed JSON and wrong types are
 OpenAI-style 400s (not FastAPI's 422) and auth is checked before the body is read.
@@ -21,19 +22,29 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from thunderpool.api import anthropic, ollama, openai_chat, openai_text, openapi, prompts, responses
+from thunderpool.api import (
+    anthropic,
+    ollama,
+    ollama_wire,
+    openai_chat,
+    openai_text,
+    openapi,
+    prompts,
+    responses,
+)
 from thunderpool.api.conversation import Conversation, admit
-from thunderpool.api.errors import RETRY_AFTER_S, APIError, install_error_handlers
+from thunderpool.api.errors import APIError, install_error_handlers
 from thunderpool.api.history import EVERY_S, History
 from thunderpool.api.limits import DEFAULT_PER_KEY, PerKeyLimit
 from thunderpool.api.metrics import CONTENT_TYPE, HTTPCounter, render
-from thunderpool.api.observe import AccessLog, Latencies, RecordingEngine
+from thunderpool.api.models import RETRY_HEADERS, One, Served, health, instance
+from thunderpool.api.observe import AccessLog, Latencies
 from thunderpool.api.origin import HostGuard
 from thunderpool.api.schemas import ChatRequest, CompletionRequest, ModelCard, ModelList
 from thunderpool.api.sse import EventStream, until_disconnect
 from thunderpool.api.turns import collect_turns
 from thunderpool.api.wire import parse
-from thunderpool.engine.service import EngineClient
+from thunderpool.engine.service import EngineClient, ModelRegistry
 
 log = logging.getLogger("thunderpool.api")
 # The other APIs' bodies and errors, for /openapi.json.
@@ -41,10 +52,11 @@ WIRE_MODELS = (
     anthropic.MessagesRequest,
     anthropic.CountTokensRequest,
     anthropic.AnthropicError,
-    ollama.OllamaChatRequest,
-    ollama.OllamaGenerateRequest,
-    ollama.ShowRequest,
-    ollama.OllamaError,
+    ollama_wire.OllamaChatRequest,
+    ollama_wire.OllamaGenerateRequest,
+    ollama_wire.ShowRequest,
+    ollama_wire.PullRequest,
+    ollama_wire.OllamaError,
     responses.ResponsesRequest,
 )
 
@@ -72,7 +84,7 @@ def api_key_guard(api_key: str | None) -> Callable[[Request], None]:
 
 
 def create_app(
-    engine: EngineClient,
+    engine: EngineClient | ModelRegistry,
     api_key: str | None = None,
     *,
     log_prompts: bool = False,
@@ -88,8 +100,9 @@ def create_app(
     `allowed_hosts`. A client may have `max_concurrent_per_key` generations running (429s
     past it; api/limits.py)."""
     latencies = Latencies()
-    engine = RecordingEngine(engine, latencies, log_prompts)  # type: ignore[assignment]
-    history = History(engine.metrics, latencies)
+    registry = engine if hasattr(engine, "acquire") else One(engine)  # type: ignore[arg-type]
+    served = Served(registry, latencies, log_prompts)  # type: ignore[arg-type]
+    history = History(served.metrics, latencies)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -106,11 +119,11 @@ def create_app(
     doc = partial(openapi.route, guarded=api_key is not None)
     http_counts: Counter[tuple[str, int]] = Counter()
 
-    _mount_openai(app, engine, guarded, doc)
-    _mount_status(app, engine, guarded, doc, history, latencies, http_counts)
-    anthropic.mount(app, engine, require_key, api_key is not None)
-    ollama.mount(app, engine, require_key, api_key is not None)
-    responses.mount(app, engine, guarded, api_key is not None)
+    _mount_openai(app, served, guarded, doc)
+    _mount_status(app, served, guarded, doc, history, latencies, http_counts)
+    anthropic.mount(app, served, require_key, api_key is not None)
+    ollama.mount(app, served, require_key, api_key is not None)
+    responses.mount(app, served, guarded, api_key is not None)
     openapi.install(app, api_key is not None, WIRE_MODELS)
     install_error_handlers(app)
     # "/" is the dashboard's, mounted by the caller after this returns.
@@ -134,15 +147,16 @@ def create_app(
     return app
 
 
-def _mount_openai(app: FastAPI, engine: EngineClient, guarded: list, doc) -> None:
+def _mount_openai(app: FastAPI, served: Served, guarded: list, doc) -> None:
     """/v1/chat/completions and /v1/completions: each request a Conversation, rendered by
     openai_chat.py or openai_text.py."""
     generating = (400, 404, 429, 503)  # what a completion answers besides 200 (and 401)
-    hello = {"model": engine.info.model, "max_tokens": 16}  # the documented examples' start
+    hello = {"model": served.names()[0], "max_tokens": 16}  # the documented examples' start
 
-    async def answer(request: Request, conv: Conversation, prefix: str, api) -> Response:
+    async def answer(request: Request, name: str, conv: Conversation, prefix: str, api):
         """An OpenAI answer (chat or text, `api`'s renderers) of the conversation's choices:
         streamed, or collected while watching for the client's disconnect."""
+        engine = await served.acquire(name)
         admitted = await admit(engine, conv, prefix)
         if conv.stream:
             options = conv.sampling.stream_options
@@ -166,9 +180,10 @@ def _mount_openai(app: FastAPI, engine: EngineClient, guarded: list, doc) -> Non
     )
     async def chat_completions(request: Request) -> Response:
         req = await parse(request, ChatRequest)
-        prompts.check_model(req.model, engine.info.model)
+        name = prompts.check_model(req.model, served.names())
         prompts.check_supported(req)
-        return await answer(request, openai_chat.to_conversation(req), "chatcmpl-", openai_chat)
+        conv = openai_chat.to_conversation(req)
+        return await answer(request, name, conv, "chatcmpl-", openai_chat)
 
     @app.post(
         "/v1/completions",
@@ -177,14 +192,14 @@ def _mount_openai(app: FastAPI, engine: EngineClient, guarded: list, doc) -> Non
     )
     async def completions(request: Request) -> Response:
         req = await parse(request, CompletionRequest)
-        prompts.check_model(req.model, engine.info.model)
+        name = prompts.check_model(req.model, served.names())
         prompts.check_supported(req)
-        return await answer(request, openai_text.to_conversation(req), "cmpl-", openai_text)
+        return await answer(request, name, openai_text.to_conversation(req), "cmpl-", openai_text)
 
 
 def _mount_status(
     app: FastAPI,
-    engine: EngineClient,
+    served: Served,
     guarded: list,
     doc,
     history: History,
@@ -193,35 +208,34 @@ def _mount_status(
 ) -> None:
     """The model list, the cluster, health, /metrics and the dashboard's history."""
 
-    def card() -> ModelCard:
-        return ModelCard(id=engine.info.model, created=engine.info.created)
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=served.client(name).info.created)
 
     @app.get("/v1/models", dependencies=guarded, **doc({"model": ModelList}))
     async def models() -> dict:
-        return ModelList(data=[card()]).model_dump(mode="json")
+        return ModelList(data=[card(n) for n in served.names()]).model_dump(mode="json")
 
     @app.get("/v1/models/{model:path}", dependencies=guarded, **doc({"model": ModelCard}, (404,)))
     async def model(model: str) -> dict:
-        prompts.check_model(model, engine.info.model)
-        return card().model_dump(mode="json")
+        return card(prompts.check_model(model, served.names())).model_dump(mode="json")
 
     @app.get("/v1/cluster", dependencies=guarded, **doc(openapi.CLUSTER))
     async def cluster() -> JSONResponse:
-        return JSONResponse(engine.info.cluster)
+        """The (first) model's cluster as ever; with several models, each one's instance."""
+        entries = served.entries()
+        if len(entries) == 1:
+            return JSONResponse(served.default.info.cluster)
+        lines = [instance(e, served.registry.client(e.name).metrics()) for e in entries]
+        return JSONResponse({**served.default.info.cluster, "instances": lines})
 
     @app.get("/health", **openapi.HEALTH)
-    async def health() -> JSONResponse:
-        s = engine.status()
-        if s.state == "ready":
-            return JSONResponse({"status": "ok"})
-        body = {"status": s.state, "progress": round(s.progress, 4), "detail": s.detail}
-        if s.fetch:  # weights moving over the fabric: each node's bytes, rate and ETA
-            body["fetch"] = list(s.fetch)
-        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+    async def health_check() -> JSONResponse:
+        body, status = health(served)
+        return JSONResponse(body, status, headers=None if status == 200 else RETRY_HEADERS)
 
     @app.get("/metrics", dependencies=guarded, response_class=PlainTextResponse, **doc({}))
     async def metrics() -> PlainTextResponse:
-        text = render(engine.metrics(), http_counts, latencies.all())
+        text = render(served.metrics(), http_counts, latencies.all())
         return PlainTextResponse(text, headers={"Content-Type": CONTENT_TYPE})
 
     @app.get("/v1/stats/history", dependencies=guarded, **doc(openapi.HISTORY, (400,)))

@@ -27,6 +27,7 @@ from thunderpool.cli.flags import (
     parse_modes,
     parse_positive,
 )
+from thunderpool.cli.serve_flags import add_models_flags
 from thunderpool.errors import ThunderpoolError
 
 
@@ -67,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve an OpenAI-compatible API and a dashboard backed "
         "by N local ranks (continuous batching)",
     )
-    add_layout(srv)
+    add_layout(srv, many_models=True)
+    add_models_flags(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     srv.add_argument(

@@ -44,11 +44,13 @@ def parse_positive(text: str) -> int:
     return value
 
 
-def add_layout(p: argparse.ArgumentParser) -> None:
+def add_layout(p: argparse.ArgumentParser, many_models: bool = False) -> None:
     p.add_argument(
         "--model",
+        action="append" if many_models else "store",
         help="MLX/HF model dir, .gguf file or Hugging Face repo id "
-        "(default: the embedded SmolLM2-135M-Instruct)",
+        "(default: the embedded SmolLM2-135M-Instruct)"
+        + ("; repeat it to serve several models, each on its own ranks" if many_models else ""),
     )
     p.add_argument(
         "--nodes",

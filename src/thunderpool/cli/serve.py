@@ -11,6 +11,7 @@ import atexit
 import gc
 import ipaddress
 import logging
+import math
 import secrets
 import sys
 import threading
@@ -38,25 +39,74 @@ def check_exposure(host: str, api_key: str | None, insecure: bool) -> None:
 
 
 def serve_main(args: argparse.Namespace, console: Console) -> int:
+    from thunderpool.cli.flags import resolve_backend
+    from thunderpool.config import api_key_from_env
+    from thunderpool.serving.models import Models
+
+    api_key = args.api_key or api_key_from_env()
+    check_exposure(args.host, api_key, args.insecure)
+    loaded, known = list(args.model or [None]), list(getattr(args, "known_model", None) or [])
+    if args.cluster and len(loaded) + len(known) > 1:
+        raise ThunderpoolError(
+            "--cluster serves one model per `serve` for now; run one `serve --cluster --port P` "
+            "per model, or serve several models on this machine's ranks without --cluster"
+        )
+    # Hybrid: one MLX ring world per group (mpirun starts one world), joined by hand-offs.
+    groups = getattr(args, "groups", None)
+    backend = "ring" if groups else resolve_backend(args, args.nodes or 2, serving=True)
+    several = len(loaded) + len(known) > 1
+    prepared = [_prepare(args, m, backend, console, several) for m in loaded + known]
+    names = [k.name for k, _ in prepared]
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ThunderpoolError(
+            f"several --model/--known-model flags name the model {', '.join(twice)}; "
+            "give each model once (models are known by their directory's name)"
+        )
+    keep = args.keep_alive if getattr(args, "keep_alive", None) is not None else math.inf
+    max_loaded = getattr(args, "max_loaded", None)
+    models = Models([k for k, _ in prepared], console, keep, max_loaded)
+    startup = names[: len(loaded)][:max_loaded]
+    url = _start_api(args, models, api_key)
+    what = ", ".join(startup) or "nothing until a request names a model"
+    console.print(f"API and dashboard at {url} (loading {what}); Ctrl-C stops every rank")
+    from thunderpool.serving.admin import admin_token_file
+
+    console.print(f"admin endpoints (/v1/admin/*): token in {admin_token_file(args.port)}")
+    gateway, plan = prepared[0][0].gateway, prepared[0][1]
+    if args.cluster:
+        from thunderpool.cli.cache import health_listener
+
+        plan.fetch_listeners.append(health_listener(gateway))  # /health while weights move
+        threading.Thread(target=_watch_members, args=(gateway, plan.members), daemon=True).start()
+    # What startup built (modules, tokenizer, app) lives as long as serve: out of the collector's
+    # reach, a full collection no longer holds the GIL for 60-170 ms mid-stream.
+    gc.collect()
+    gc.freeze()
+    try:
+        models.serve(startup)
+    finally:
+        models.stop()
+    return 0
+
+
+def _prepare(args, model: str | None, backend: str, console: Console, several: bool):
+    """One model as `serve` knows it: (Known: name, gateway, how to start an instance; the
+    plan: a ClusterPlanner with --cluster). Its config and tokenizer load here, its ranks later."""
     from mlx_lm.utils import load_tokenizer
 
     from thunderpool.cli.flags import resolve_backend
     from thunderpool.cli.proof import admit
     from thunderpool.cluster.control.remote_model import MARKER as REMOTE
-    from thunderpool.config import api_key_from_env
     from thunderpool.engine.loader import read_config
     from thunderpool.engine.service import EngineInfo
     from thunderpool.launch.mpi import LOCAL_BACKENDS, SERVE_RING_REASON
     from thunderpool.models.source import resolve_model
     from thunderpool.serving.gateway import Gateway
-    from thunderpool.serving.supervisor import Supervisor
+    from thunderpool.serving.models import Known
     from thunderpool.serving.view import ClusterView
 
-    api_key = args.api_key or api_key_from_env()
-    check_exposure(args.host, api_key, args.insecure)
-    # Hybrid: one MLX ring world per group (mpirun starts one world), joined by hand-offs.
-    groups = getattr(args, "groups", None)
-    backend = "ring" if groups else resolve_backend(args, args.nodes or 2, serving=True)
+    args = argparse.Namespace(**{**vars(args), "model": model})
     if args.cluster:  # config and tokenizer from a member when this machine lacks the model
         from thunderpool.cli.connect import coordinator
         from thunderpool.cluster.control.remote_model import model_here_or_remote
@@ -79,9 +129,9 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
     cluster = {"model": name, "model_type": str(config.get("model_type", ""))}
     info = EngineInfo(name, max_context, int(time.time()), cluster)
     if args.cluster:
-        plan, token, members = _cluster(args, name, max_context, console)
+        plan, token, _members = _cluster(args, name, max_context, console)
     else:
-        token, members = secrets.token_urlsafe(24), None
+        token = secrets.token_urlsafe(24)
         plan = _local(args, backend, layout, model_dir, name, max_context, token)
         why = ""
         if (
@@ -90,30 +140,12 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
             and resolve_backend(args, args.nodes or 2) == "mpi"
         ):
             why = f" ({SERVE_RING_REASON})"
-        console.print(f"{args.nodes or 2} local ranks, {LOCAL_BACKENDS[backend]}{why}")
+        who = f"{name}: " if several else ""
+        console.print(f"{who}{args.nodes or 2} local ranks, {LOCAL_BACKENDS[backend]}{why}")
     gateway = Gateway(info, tokenizer, token)
-    view = ClusterView(config)
-    supervisor = Supervisor(gateway, plan, console, on_event=_print_loaded(console), view=view)
-    url = _start_api(args, gateway, supervisor, api_key)
-    console.print(f"API and dashboard at {url} (loading {name}); Ctrl-C stops every rank")
-    from thunderpool.serving.admin import admin_token_file
-
-    console.print(f"admin endpoints (/v1/admin/*): token in {admin_token_file(args.port)}")
-    if args.cluster:
-        from thunderpool.cli.cache import health_listener
-
-        plan.fetch_listeners.append(health_listener(gateway))  # /health while weights move
-    if members is not None:
-        threading.Thread(target=_watch_members, args=(gateway, members), daemon=True).start()
-    # What startup built (modules, tokenizer, app) lives as long as serve: out of the collector's
-    # reach, a full collection no longer holds the GIL for 60-170 ms mid-stream.
-    gc.collect()
-    gc.freeze()
-    try:
-        supervisor.run()
-    finally:
-        supervisor.stop()
-    return 0
+    shown = _print_loaded(console, f"{name} " if several else "")
+    known = Known(name, gateway, plan, shown, ClusterView(config))
+    return known, plan
 
 
 def _local(
@@ -168,7 +200,7 @@ def _watch_members(gateway, members) -> None:
         time.sleep(MEMBERS_EVERY_S)
 
 
-def _print_loaded(console: Console):
+def _print_loaded(console: Console, model: str = ""):
     """Per-rank lines on the terminal: what each rank runs on, then what it loaded (the
     dashboard draws the progress bar)."""
     from thunderpool.engine.blas import REFERENCE
@@ -179,7 +211,7 @@ def _print_loaded(console: Console):
         if e["kind"] == "runtime":
             backend = f"{e['backend']} backend" if e.get("backend") else "no collectives"
             where = f" ({e['blas_path']})" if e.get("blas_path") else ""
-            console.print(f"[dim]rank {ev.rank}: BLAS {e.get('blas')}{where}, {backend}[/]")
+            console.print(f"[dim]{model}rank {ev.rank}: BLAS {e.get('blas')}{where}, {backend}[/]")
             if e.get("blas") == REFERENCE:
                 console.print(
                     f"[yellow]rank {ev.rank} runs the mlx wheel's reference BLAS, ~30x slower "
@@ -187,7 +219,7 @@ def _print_loaded(console: Console):
                 )
         if e["kind"] == "loaded":
             console.print(
-                f"[dim]rank {ev.rank}: layers {e['layers'][0]}-{e['layers'][1] - 1}, "
+                f"[dim]{model}rank {ev.rank}: layers {e['layers'][0]}-{e['layers'][1] - 1}, "
                 f"{e['param_bytes'] / 2**20:,.1f} MiB of weights in {e['seconds']:.1f} s[/]"
             )
 
@@ -204,7 +236,7 @@ def _log_requests() -> None:
     access.propagate = False
 
 
-def _start_api(args, gateway, supervisor, api_key: str | None) -> str:
+def _start_api(args, models, api_key: str | None) -> str:
     import uvicorn
 
     from thunderpool.api.dashboard import mount_dashboard
@@ -213,7 +245,7 @@ def _start_api(args, gateway, supervisor, api_key: str | None) -> str:
 
     _log_requests()
     app = create_app(
-        gateway,
+        models,
         api_key=api_key,
         log_prompts=args.log_prompts,
         cors_origins=args.cors_origin,
@@ -223,7 +255,7 @@ def _start_api(args, gateway, supervisor, api_key: str | None) -> str:
     )
     token, path = write_admin_token(args.port)
     atexit.register(path.unlink, missing_ok=True)
-    mount_admin(app, supervisor, token, api_key)
+    mount_admin(app, models.replanner(), token, api_key, models)
     mount_dashboard(app)
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)

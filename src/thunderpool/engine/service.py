@@ -74,3 +74,40 @@ class EngineClient(Protocol):
         """`replayable`: the caller shows nothing before the last delta (a non-streamed
         answer), so after a lost node the engine may run the request again from the start."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    """One known model as /api/ps, /v1/models and /v1/cluster tell it."""
+
+    name: str
+    state: str  # "unloaded" | "loading" | "ready" | "recovering" | "failed"
+    progress: float = 0.0
+    detail: str = ""
+    in_flight: int = 0  # generations running now
+    expires_at: float | None = None  # unix time it unloads when idle; None: never
+    memory_bytes: int | None = None  # what its ranks hold now (RSS, else weights)
+    cluster: dict[str, Any] = field(default_factory=dict)  # placement, nodes, instance
+
+
+class ModelRegistry(Protocol):
+    """The models a server knows, by the name a request's `model` field gives; `names()[0]`
+    is the default one (examples, /metrics)."""
+
+    def names(self) -> list[str]: ...
+
+    def client(self, name: str) -> EngineClient:
+        """The model's engine without loading it: info and tokenizer always hold."""
+        ...
+
+    async def acquire(self, name: str, keep_alive: float | None = None) -> EngineClient:
+        """The model's engine, loaded first when it is not (the caller waits); `keep_alive`:
+        seconds it stays loaded once idle (negative: forever; None: as before)."""
+        ...
+
+    def entries(self) -> list[ModelEntry]: ...
+
+    def keep(self, name: str, keep_alive: float) -> None:
+        """Set how long a loaded model stays once idle, without loading it (0: unload now,
+        or as soon as its requests finish)."""
+        ...

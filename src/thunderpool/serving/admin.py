@@ -8,6 +8,7 @@ preflight that `serve` does not grant. They are not in /openapi.json.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
 import secrets
@@ -17,6 +18,8 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from thunderpool.api.errors import APIError
+from thunderpool.api.prompts import check_model
+from thunderpool.api.wire import Strict, parse
 from thunderpool.config import state_dir
 
 
@@ -52,8 +55,16 @@ def admin_guard(token: str, api_key: str | None):
     return require
 
 
-def mount_admin(app: FastAPI, supervisor, token: str, api_key: str | None) -> None:
+class ModelBody(Strict):
+    model: str
+
+
+def mount_admin(app: FastAPI, supervisor, token: str, api_key: str | None, models=None) -> None:
+    """`supervisor`: what a replan drives; `models` (serving.models.Models): what load and
+    unload drive (not mounted without it)."""
     guard = [Depends(admin_guard(token, api_key))]
+    if models is not None:
+        _mount_models(app, models, guard)
 
     @app.post("/v1/admin/replan", dependencies=guard, include_in_schema=False)
     async def replan() -> JSONResponse:
@@ -63,3 +74,23 @@ def mount_admin(app: FastAPI, supervisor, token: str, api_key: str | None) -> No
         pending = supervisor.request_replan()
         body = {"replanning": True, "instance": supervisor.generation, "pending": pending}
         return JSONResponse(body, 202)
+
+
+def _mount_models(app: FastAPI, models, guard: list) -> None:
+    async def named(request: Request) -> str:
+        return check_model((await parse(request, ModelBody)).model, models.names())
+
+    @app.post("/v1/admin/load", dependencies=guard, include_in_schema=False)
+    async def load(request: Request) -> JSONResponse:
+        """Start loading a known model (unloading the least recently used idle one past
+        --max-loaded); /api/ps and /health show its progress."""
+        name = await named(request)
+        await asyncio.to_thread(models.load, name)
+        return JSONResponse({"model": name, "loading": True}, 202)
+
+    @app.post("/v1/admin/unload", dependencies=guard, include_in_schema=False)
+    async def unload(request: Request) -> JSONResponse:
+        """Unload a model now (its ranks stopped, their memory freed); 409 while it serves."""
+        name = await named(request)
+        was = await asyncio.to_thread(models.unload, name)
+        return JSONResponse({"model": name, "unloaded": was})

@@ -86,6 +86,9 @@ class Supervisor:
     def _run_one(self, instance: Instance, first: bool) -> bool:
         """Run one instance until it ends; True when it reached ready."""
         self.instance, served = instance, False
+        if self._stopping:  # stopped while it was planned (an unload): never start it
+            self.instance = None
+            return False
         self.generation += 1
         phase = "loading" if first else "recovering"
         self.gateway.loading(0.0, "loading model shards", phase)
