@@ -65,7 +65,9 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
         )
     keep = args.keep_alive if getattr(args, "keep_alive", None) is not None else math.inf
     max_loaded = getattr(args, "max_loaded", None)
-    models = Models([k for k, _ in prepared], console, keep, max_loaded)
+    budget = getattr(args, "max_memory_gb", None)
+    max_bytes = None if budget is None else int(budget * 2**30)
+    models = Models([k for k, _ in prepared], console, keep, max_loaded, max_bytes=max_bytes)
     startup = names[: len(loaded)][:max_loaded]
     url = _start_api(args, models, api_key)
     what = ", ".join(startup) or "nothing until a request names a model"
@@ -145,6 +147,12 @@ def _prepare(args, model: str | None, backend: str, console: Console, several: b
     gateway = Gateway(info, tokenizer, token)
     shown = _print_loaded(console, f"{name} " if several else "")
     known = Known(name, gateway, plan, shown, ClusterView(config))
+    if getattr(args, "max_memory_gb", None) is not None:
+        from thunderpool.cli.serve_flags import check_budget
+        from thunderpool.planner.spec import model_spec
+
+        known.weight_bytes = model_spec(model_dir).total_bytes
+        check_budget(name, known.weight_bytes, args.max_memory_gb)
     return known, plan
 
 

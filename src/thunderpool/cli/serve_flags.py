@@ -7,6 +7,7 @@ import argparse
 import math
 
 from thunderpool.cli.flags import parse_positive
+from thunderpool.errors import ThunderpoolError
 
 
 def parse_keep_alive(text: str) -> float:
@@ -44,3 +45,19 @@ def add_models_flags(p: argparse.ArgumentParser) -> None:
         help="models loaded at once; loading one more unloads the least recently used idle "
         "one (default: no limit; the first N --model flags load at start)",
     )
+    p.add_argument(
+        "--max-memory-gb",
+        type=float,
+        metavar="GIB",
+        help="weights of the loaded models together, at most (the planner's estimate); loading "
+        "one more unloads the least recently used idle ones until it fits (default: no limit)",
+    )
+
+
+def check_budget(name: str, weight_bytes: int, max_gb: float | None) -> None:
+    """A model that alone exceeds --max-memory-gb could never load: refused at start."""
+    if max_gb is not None and weight_bytes > max_gb * 2**30:
+        raise ThunderpoolError(
+            f"{name}'s weights are {weight_bytes / 2**30:.2f} GiB, over --max-memory-gb "
+            f"{max_gb:g}; raise it or leave {name} out"
+        )

@@ -40,6 +40,7 @@ class Known:
     plan: Callable[[bool], Instance]
     on_event: Callable[[object], None] = lambda ev: None
     view: object | None = None  # a ClusterView: /v1/cluster's nodes and placement
+    weight_bytes: int = 0  # the planner's estimate of its weights (planner/spec.py)
 
 
 @dataclass(eq=False)
@@ -66,8 +67,11 @@ class Models:
         keep_alive: float = math.inf,
         max_loaded: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_bytes: int | None = None,
     ):
         self.console, self.max_loaded, self.clock = console, max_loaded, clock
+        self.max_bytes = max_bytes  # weights of the loaded models together, at most
+        self.keep_alive = keep_alive  # for a request that names none (as Ollama's default)
         self._slots = {k.name: _Slot(k, keep_alive) for k in known}
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -83,9 +87,9 @@ class Models:
 
     async def acquire(self, name: str, keep_alive: float | None = None) -> EngineClient:
         slot = self._slots[name]
+        # Each request sets the model's keep_alive, its own or the server's (as Ollama does).
         slot.touched = self.clock()
-        if keep_alive is not None:
-            slot.keep_alive = keep_alive
+        slot.keep_alive = self.keep_alive if keep_alive is None else keep_alive
         if slot.supervisor is None:
             await asyncio.to_thread(self._load, slot, True)
         gateway = slot.known.gateway
@@ -213,20 +217,31 @@ class Models:
             slot.thread.start()
         self.console.print(f"loading {k.name}")
 
+    def _full(self, loaded: list[_Slot], new: _Slot) -> str:
+        """Why `new` does not fit beside `loaded` ("" when it does)."""
+        if self.max_loaded is not None and len(loaded) >= self.max_loaded:
+            return f"{len(loaded)} model(s) loaded (--max-loaded {self.max_loaded})"
+        used = sum(s.known.weight_bytes for s in loaded)
+        if self.max_bytes is not None and used + new.known.weight_bytes > self.max_bytes:
+            return (
+                f"its {gib(new.known.weight_bytes)} of weights and the loaded models' "
+                f"{gib(used)} exceed --max-memory-gb {self.max_bytes / 2**30:g}"
+            )
+        return ""
+
     def _make_room(self, slot: _Slot) -> None:
-        """Unload the least recently used idle models until `slot` fits --max-loaded."""
-        if self.max_loaded is None:
-            return
+        """Unload the least recently used idle models until `slot` fits --max-loaded and
+        --max-memory-gb."""
         loaded = [s for s in self._slots.values() if s.supervisor is not None]
-        while len(loaded) >= self.max_loaded:
+        while loaded and (why := self._full(loaded, slot)):  # serve checked each fits alone
             idle = [s for s in loaded if not self._busy(s)]
             if not idle:
                 busy = ", ".join(f"'{s.known.name}' ({self._busy(s)} in flight)" for s in loaded)
                 raise APIError(
                     503,
-                    f"cannot load '{slot.known.name}': {len(loaded)} model(s) loaded "
-                    f"(--max-loaded {self.max_loaded}) and each has requests in flight: {busy}; "
-                    "retry when one is idle, or unload one (POST /v1/admin/unload)",
+                    f"cannot load '{slot.known.name}': {why}, and each loaded model has "
+                    f"requests in flight: {busy}; retry when one is idle, or unload one "
+                    "(POST /v1/admin/unload)",
                     type="server_error",
                     code="model_not_ready",
                     headers={"Retry-After": str(RETRY_AFTER_S)},
@@ -260,6 +275,10 @@ class Models:
             slot.unloading, slot.on_demand = False, False
             if slot.supervisor is sup:
                 slot.supervisor = None
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 class _Tracked:
