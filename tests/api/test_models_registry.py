@@ -12,10 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 from fake_engine import FakeEngine
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from rich.console import Console
 
-from thunderpool.api.errors import APIError
+from thunderpool.api.errors import APIError, install_error_handlers
 from thunderpool.api.ollama_models import keep_alive
+from thunderpool.serving.admin import mount_admin
 from thunderpool.serving.gateway import Gateway
 from thunderpool.serving.models import GRACE_S, Known, Models
 
@@ -85,6 +88,16 @@ def test_a_byte_budget_unloads_the_least_recently_used_idle_model():
         asyncio.run(models.acquire("a"))  # c is idle and the only one: it goes
         wait(lambda: ready(models) == {"a"})
         assert [e.state for e in models.entries()] == ["ready", "unloaded", "unloaded"]
+        # An admin's replan names the model whose instance moves; that one alone restarts.
+        app = FastAPI()
+        install_error_handlers(app)
+        mount_admin(app, models.replanner(), "tok", None, models)
+        ok = {"authorization": "Bearer tok"}
+        r = TestClient(app).post("/v1/admin/replan", json={"model": "a"}, headers=ok)
+        assert r.status_code == 202 and r.json()["instance"] == 1
+        wait(lambda: models.replanner("a").generation == 2 and ready(models) == {"a"})
+        r = TestClient(app).post("/v1/admin/replan", json={"model": "b"}, headers=ok)
+        assert r.status_code == 409 and "'b' is not loaded" in r.text
     finally:
         models.stop()
     runner.join(10)

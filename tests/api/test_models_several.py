@@ -30,6 +30,7 @@ from starlette.testclient import TestClient
 A, B, C = "tiny-a", "tiny-b", "tiny-c"
 QUESTION = [{"role": "user", "content": "Name a primary color."}]
 TOKENS = 8
+GREEDY = {"num_predict": TOKENS, "temperature": 0}
 LONG = 1500  # a stream that outlasts a rank's restart
 
 
@@ -113,9 +114,8 @@ def chat_openai(url: str, model: str) -> str:
 
 
 def chat_ollama(url: str, model: str, **extra) -> str:
-    r = ollama.Client(host=url).chat(
-        model=model, messages=QUESTION, options={"num_predict": TOKENS, "temperature": 0}, **extra
-    )
+    r = ollama.Client(host=url).chat(model=model, messages=QUESTION, options=GREEDY, **extra)
+    assert r.load_duration < 100e6  # ns: loaded already
     return r.message.content
 
 
@@ -179,7 +179,9 @@ def test_on_demand_load_evicts_the_lru_idle_model_never_a_busy_one(url, referenc
     try:
         chat_openai(url, B)  # B is more recent than A's start, and idle after
         time.sleep(1.0)  # past the grace a just-used model gets
-        assert chat_ollama(url, C) == reference[C]["ollama"]  # loaded on demand; waited for
+        r = ollama.Client(host=url).chat(model=C, messages=QUESTION, options=GREEDY)
+        assert r.message.content == reference[C]["ollama"]  # loaded on demand; waited for
+        assert r.load_duration > 100e6  # ns: the load this request waited for
         assert loaded(url) == {A, C}
         busy_c = Stream(url, C)
         try:

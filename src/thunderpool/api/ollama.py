@@ -145,11 +145,15 @@ def _calls(calls: list[Call] | tuple[Call, ...]) -> list[dict[str, Any]]:
 
 
 class Clock:
-    """Ollama's nanosecond timings: total, prompt evaluation (to the first event), generation."""
+    """Ollama's nanosecond timings: total, loading the model (a request that loaded it on
+    demand), prompt evaluation (to the first event), generation."""
 
-    def __init__(self):
-        self.start = time.monotonic_ns()
+    def __init__(self, start: int | None = None):
+        self.start = self.loaded = start or time.monotonic_ns()
         self.first: int | None = None
+
+    def load_done(self) -> None:
+        self.loaded = time.monotonic_ns()
 
     def tick(self) -> None:
         self.first = self.first or time.monotonic_ns()
@@ -160,9 +164,9 @@ class Clock:
         return {
             "done_reason": "length" if f.reason == "length" else "stop",
             "total_duration": now - self.start,
-            "load_duration": 0,
+            "load_duration": self.loaded - self.start,
             "prompt_eval_count": f.prompt_tokens,
-            "prompt_eval_duration": first - self.start,
+            "prompt_eval_duration": first - self.loaded,
             "eval_count": f.completion_tokens,
             "eval_duration": now - first,
         }
@@ -176,8 +180,10 @@ def _line(obj: dict[str, Any]) -> bytes:
     return (json.dumps(obj) + "\n").encode()
 
 
-async def lines(engine: EngineClient, a: Admitted, chat: bool) -> AsyncGenerator[bytes, None]:
-    clock, head = Clock(), {"model": a.job.model}
+async def lines(
+    engine: EngineClient, a: Admitted, chat: bool, clock: Clock | None = None
+) -> AsyncGenerator[bytes, None]:
+    clock, head = clock or Clock(), {"model": a.job.model}
 
     def piece(text: str, calls: list[Call] | None = None) -> dict[str, Any]:
         if not chat:
@@ -233,11 +239,12 @@ def _mount_generation(app: FastAPI, served: Served, ollama_errors, doc) -> None:
 
     async def answer(request: Request, req: _Generating, conv: Conversation, chat: bool):
         name = check_model(req.model, served.names())
+        clock = Clock()
         engine = await served.acquire(name, keep_alive(req.keep_alive))
+        clock.load_done()  # waited for a load only when the model was not loaded
         admitted = await admit(engine, conv, "ollama-")
         if conv.stream:
-            return NDJSONStream(lines(engine, admitted, chat))
-        clock = Clock()
+            return NDJSONStream(lines(engine, admitted, chat, clock))
         t = await until_disconnect(request.receive, lambda: collect_turn(engine, admitted))
         if t is None:
             return Response(status_code=CLIENT_CLOSED)

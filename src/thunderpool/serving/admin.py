@@ -67,12 +67,17 @@ def mount_admin(app: FastAPI, supervisor, token: str, api_key: str | None, model
         _mount_models(app, models, guard)
 
     @app.post("/v1/admin/replan", dependencies=guard, include_in_schema=False)
-    async def replan() -> JSONResponse:
+    async def replan(request: Request) -> JSONResponse:
         """Plan again on the nodes that answer now (e.g. one rejoined) and move to that plan
         once the running requests have finished; new requests get 503 meanwhile. A replan
-        asked for while one is pending is the same replan."""
-        pending = supervisor.request_replan()
-        body = {"replanning": True, "instance": supervisor.generation, "pending": pending}
+        asked for while one is pending is the same replan. With several models, a body
+        `{"model": M}` names whose instance (default: the first model's)."""
+        target = supervisor
+        if models is not None and await request.body():
+            name = check_model((await parse(request, ModelBody)).model, models.names())
+            target = models.replanner(name)
+        pending = target.request_replan()
+        body = {"replanning": True, "instance": target.generation, "pending": pending}
         return JSONResponse(body, 202)
 
 
