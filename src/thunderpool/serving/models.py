@@ -90,7 +90,7 @@ class Models:
         # Each request sets the model's keep_alive, its own or the server's (as Ollama does).
         slot.touched = self.clock()
         slot.keep_alive = self.keep_alive if keep_alive is None else keep_alive
-        if slot.supervisor is None:
+        if slot.supervisor is None or slot.unloading:  # an unload in progress finishes first
             await asyncio.to_thread(self._load, slot, True)
         gateway = slot.known.gateway
         while slot.on_demand and slot.supervisor is not None and gateway.state == "loading":
@@ -208,7 +208,8 @@ class Models:
                 return
             self._make_room(slot)
             k = slot.known
-            sup = Supervisor(k.gateway, k.plan, self.console, k.on_event, k.view)  # type: ignore[arg-type]
+            label = k.name if len(self._slots) > 1 else ""
+            sup = Supervisor(k.gateway, k.plan, self.console, k.on_event, k.view, label)  # type: ignore[arg-type]
             slot.supervisor, slot.on_demand, slot.error = sup, on_demand, None
             k.gateway.loading(0.0, "loading model shards", "loading")
             slot.thread = threading.Thread(

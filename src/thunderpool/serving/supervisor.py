@@ -43,8 +43,10 @@ class Supervisor:
         console: Console,
         on_event: Callable[[object], None] = lambda ev: None,
         view: ClusterView | None = None,
+        name: str = "",
     ):
         self.gateway, self.plan, self.console, self.on_event = gateway, plan, console, on_event
+        self.who = f"{name} " if name else ""  # which model's instance, when serve has several
         self.view = view  # /v1/cluster's nodes, links and placement, from the ranks' reports
         self.instance: Instance | None = None
         self.generation = 0  # instances started so far (the dashboard and tests read it)
@@ -114,8 +116,8 @@ class Supervisor:
                             about = describe(instance, self.generation)
                             self.gateway.set_cluster(instance=about)
                             self.console.print(
-                                f"ready: {about['parallel']} on {', '.join(about['nodes'])} "
-                                f"(instance {about['generation']})"
+                                f"{self.who}ready: {about['parallel']} on "
+                                f"{', '.join(about['nodes'])} (instance {about['generation']})"
                             )
                     if e["kind"] in ("progress", "loaded") and not served:
                         fraction = sum(done.values()) / world
@@ -129,7 +131,7 @@ class Supervisor:
             if first and not served:
                 self.gateway.lost(str(e), "failed")
                 raise
-            self.console.print(f"[red]instance lost[/]: {e}; replanning")
+            self.console.print(f"[red]{self.who}instance lost[/]: {e}; replanning")
         finally:
             self.instance, self._serving = None, False
         self.gateway.lost(self._last_error or "replanning", "recovering")
