@@ -45,7 +45,9 @@ def serve_main(args: argparse.Namespace, console: Console) -> int:
 
     api_key = args.api_key or api_key_from_env()
     check_exposure(args.host, api_key, args.insecure)
-    loaded, known = list(args.model or [None]), list(getattr(args, "known_model", None) or [])
+    known = list(getattr(args, "known_model", None) or [])
+    # No --model: the embedded one, unless every model is --known-model (loaded on demand).
+    loaded = list(args.model or ([] if known else [None]))
     if args.cluster and len(loaded) + len(known) > 1:
         raise ThunderpoolError(
             "--cluster serves one model per `serve` for now; run one `serve --cluster --port P` "

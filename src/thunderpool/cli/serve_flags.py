@@ -29,7 +29,7 @@ def add_models_flags(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="MODEL",
         help="a model requests may name, loaded when one does (repeatable; like --model, "
-        "which also loads at start)",
+        "which also loads at start; with only --known-model, nothing loads before a request)",
     )
     p.add_argument(
         "--keep-alive",
