@@ -6,7 +6,7 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from thunderpool.engine.job import RankJob, Task
+from thunderpool.engine.job import RankJob, ServeTask, Task
 from thunderpool.errors import ThunderpoolError
 from thunderpool.parallel.layout import Layout
 
@@ -21,7 +21,12 @@ def rank_job(
 ) -> RankJob:
     """A job of `world` ranks running `task` in `layout` (a plan's, or the flags'), with what
     every command shares: prefill chunk, compiled steps, KV-cache format and speculation."""
-    layout = replace(layout, compile=args.compile, **kv_fields(args))
+    compile_ = args.compile
+    if compile_ is None and world > 1 and isinstance(task, ServeTask):
+        # A serve on several ranks decodes eagerly unless asked: there the compiled step's
+        # memory grows (~1 MiB/s per rank under the soak, cause not found; README).
+        compile_ = False
+    layout = replace(layout, compile=compile_, **kv_fields(args))
     return RankJob(
         model_dir=model_dir,
         world_size=world,
