@@ -47,9 +47,7 @@ def runtime(job: RankJob) -> dict:
 
 def run(job: RankJob) -> None:
     from thunderpool.cluster.node.metal import raise_wired_limit
-    from thunderpool.engine.heap import fix_mmap_threshold
 
-    fix_mmap_threshold()  # before the weights: large blocks never fragment the heap
     raise_wired_limit()  # on Metal: keep the shard wired, as mlx-lm does (no-op elsewhere)
     world = job.mlx_world()
     if world > 1:

@@ -152,8 +152,8 @@ def idle(url: str) -> bool:
 def test_soak():
     # The prefix cache keeps recent prompts' KV up to its budget by design (1 GiB by default):
     # a small one fills during the warm-up, so what grows after it is not the cache filling.
-    # serve on several CPU ranks decodes eagerly by default (cli/jobs.py): the compiled step
-    # still grows each rank's memory there (~1 MiB/s here, cause not found: README).
+    # serve decodes eagerly by default (cli/jobs.py): the compiled step still grows each
+    # rank's memory under this load (~0.8-1 MiB/s here, cause not found: README).
     # THUNDERPOOL_SOAK_COMPILE=1 soaks it (with 8 graphs, made in the warm-up).
     step = ("--compile",) if os.environ.get("THUNDERPOOL_SOAK_COMPILE") == "1" else ()
     args = ("--nodes", "2", "--max-context", "512", "--prefix-cache-gb", "0.02", *step)

@@ -1,6 +1,6 @@
-"""Which decode step a job asks for when the flags leave it unset (cli/jobs.rank_job): a serve
-on several ranks decodes eagerly (the compiled step's memory grows there; README), one rank
-and one-shot jobs keep the default, and --compile / --no-compile always win."""
+"""Which decode step a job asks for when the flags leave it unset (cli/jobs.rank_job): serve
+decodes eagerly (the compiled step's memory grows under its load; README), one-shot jobs keep
+the default, and --compile / --no-compile always win."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _args(compile_: bool | None) -> argparse.Namespace:
     ("task", "world", "flag", "expected"),
     [
         (ServeTask(model_name="m"), 2, None, False),
-        (ServeTask(model_name="m"), 1, None, None),
+        (ServeTask(model_name="m"), 1, None, False),
         (ServeTask(model_name="m"), 2, True, True),
         (ServeTask(model_name="m"), 1, False, False),
         (GenerateTask(prompt="hi"), 2, None, None),

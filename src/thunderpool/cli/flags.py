@@ -181,7 +181,7 @@ def add_compile(p: argparse.ArgumentParser) -> None:
         help="decode with the compiled, fused step where it is proven equal (llama, qwen2, "
         "qwen3, qwen3_moe; one rank, TP and PP), its products split over a CPU rank's cores "
         "(default: on for CPU ranks, off for GPU ranks (Metal, CUDA), where it has not yet "
-        "been run against eager, and off for serve on several ranks, where its memory grows "
+        "been run against eager, and off for serve, where its memory grows under load "
         "(README): --compile turns it on there; --no-compile: op by op everywhere; "
         "docs/benchmarks.md section 8)",
     )

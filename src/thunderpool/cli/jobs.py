@@ -22,9 +22,9 @@ def rank_job(
     """A job of `world` ranks running `task` in `layout` (a plan's, or the flags'), with what
     every command shares: prefill chunk, compiled steps, KV-cache format and speculation."""
     compile_ = args.compile
-    if compile_ is None and world > 1 and isinstance(task, ServeTask):
-        # A serve on several ranks decodes eagerly unless asked: there the compiled step's
-        # memory grows (~1 MiB/s per rank under the soak, cause not found; README).
+    if compile_ is None and isinstance(task, ServeTask):
+        # serve decodes eagerly unless asked: under its churn the compiled step's memory
+        # grows (~0.8-1 MiB/s per rank in the soak, cause not found; README).
         compile_ = False
     layout = replace(layout, compile=compile_, **kv_fields(args))
     return RankJob(
